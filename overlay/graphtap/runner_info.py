@@ -1,0 +1,31 @@
+"""What actually ran inside the worker: which model runner, compile mode and graph mode.
+
+vLLM falls back to its V1 runner silently (no Triton, unsupported features), and the
+V1 runner has none of graphtap's hook slots, so tests and the demo ask the worker itself
+rather than trusting the frontend's config. Plugged in with vLLM's own
+`worker_extension_cls` engine argument and called through `collective_rpc`.
+"""
+from __future__ import annotations
+
+WORKER_EXTENSION = "graphtap.runner_info.RunnerInfoExtension"
+
+
+class RunnerInfoExtension:
+    """Mixed into vLLM's Worker class by `worker_extension_cls`."""
+
+    def graphtap_runner_info(self) -> dict:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        config = runner.vllm_config.compilation_config
+        module = type(runner).__module__
+        return {
+            "runner_class": f"{module}.{type(runner).__qualname__}",
+            "model_runner_v2": isinstance(runner, V2Runner),
+            "compilation_mode": _name(config.mode),
+            "cudagraph_mode": _name(config.cudagraph_mode),
+        }
+
+
+def _name(value) -> str:
+    return getattr(value, "name", str(value))
