@@ -33,8 +33,14 @@ def checkout(directory: Path, flavor: str) -> int:
     return 0
 
 
-def slug(description: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", description.lower()).strip("-")[:48].rstrip("-")
+def slug(description: str, limit: int = 48) -> str:
+    words = re.sub(r"[^a-z0-9]+", "-", description.lower()).strip("-").split("-")
+    out = words[0]
+    for w in words[1:]:  # whole words only, so names never end mid-word
+        if len(out) + 1 + len(w) > limit:
+            break
+        out += "-" + w
+    return out
 
 
 def export(directory: Path) -> int:

@@ -1,0 +1,30 @@
+"""Engine-level graphtap options (`hook_config=`), fixed for the engine's lifetime."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from graphtap.sites import SiteTable, expand_patterns
+
+DEFAULT_SITES = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid", "blocks.*.hook_resid_post"]
+
+
+class HookConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sites: list[str] = Field(default_factory=lambda: list(DEFAULT_SITES))
+    """Sites that get an op in the graph. Each costs one small kernel per forward even
+    when idle, so production engines name only the sites they use."""
+    max_vectors: int = Field(64, ge=1, le=65536)
+    """Resident steering-vector table size (distinct vectors of live requests)."""
+    max_steers: int = Field(8, ge=1, le=64)
+    """Steer entries per request."""
+
+    def site_table(self, num_layers: int) -> SiteTable:
+        return SiteTable(expand_patterns(self.sites, num_layers))
+
+
+def load_hook_config(raw: dict | None) -> HookConfig:
+    try:
+        return HookConfig.model_validate(raw or {})
+    except Exception as e:  # pydantic's message names the field
+        raise ValueError(f"hook_config: {e}") from None

@@ -1,0 +1,69 @@
+"""graphtap's hook manager: the one seam into vLLM (entry point `vllm.hook_managers`).
+
+Wires config, sites, tables, scheduler and ops, and owns their lifetimes. It is built by
+the runner right after the model (before profiling, compile and capture), so every table
+exists, at its final address, before the first trace.
+"""
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.hook_slots import bind_residual_hook
+from vllm.v1.worker.gpu.hooks import HookManager, hook_config
+
+import graphtap.ops.steer  # noqa: F401  registers graphtap::steer_resid_ before any trace
+from graphtap.config import load_hook_config
+from graphtap.frontend import GraphtapFrontend, model_shape
+from graphtap.ops.steer import bind_tables
+from graphtap.scheduler import SteerScheduler
+from graphtap.tables import SteerTables
+
+logger = init_logger(__name__)
+
+
+class GraphtapHookManager(HookManager):
+    def __init__(self, vllm_config, model, device):
+        super().__init__(vllm_config, model, device)
+        self.config = load_hook_config(hook_config(vllm_config))
+        mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+        self.sites = self.config.site_table(mc.hf_text_config.num_hidden_layers)
+        cc = vllm_config.compilation_config
+        max_tokens = max(sc.max_num_batched_tokens, cc.max_cudagraph_capture_size or 0)
+        self.tables = SteerTables.allocate(
+            max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_steers=self.config.max_steers,
+            max_vectors=self.config.max_vectors, hidden=mc.get_hidden_size(),
+            max_len=mc.max_model_len, dtype=mc.dtype, device=torch.device(device))
+        self.scheduler = SteerScheduler(self.tables, self.sites, torch.device(device))
+        bind_tables(self.tables)
+        bind_residual_hook(self._residual_hook)
+        logger.info("graphtap: %d hook sites, steering tables %.1f MiB", len(self.sites),
+                    self.tables.nbytes() / 2**20)
+
+    @classmethod
+    def frontend(cls, vllm_config):
+        config = load_hook_config(hook_config(vllm_config))
+        return GraphtapFrontend(model_shape(vllm_config, config))
+
+    def _residual_hook(self, layer, kind, positions, hidden_states, residual) -> None:
+        # Runs at trace time: emits an op only for configured sites (static, not data).
+        site = self.sites.id_for_slot(layer, kind)
+        if site is None:
+            return
+        if residual is None:  # the first layer's input: the stream is hidden_states alone
+            torch.ops.graphtap.steer_resid_(hidden_states, None, positions, site)
+        else:
+            torch.ops.graphtap.steer_resid_(residual, hidden_states, positions, site)
+
+    def add_request(self, req_index, new_req_data) -> None:
+        params = new_req_data.sampling_params
+        hooks = params.hooks if params is not None else None
+        self.scheduler.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, hooks)
+
+    def remove_request(self, req_id) -> None:
+        self.scheduler.remove_request(req_id)
+
+    def prepare_step(self, input_batch, dummy_run) -> None:
+        self.scheduler.prepare_step(input_batch, dummy_run)
+
+    def prepare_capture(self) -> None:
+        self.scheduler.deactivate()

@@ -1,0 +1,115 @@
+"""Per-request entries and per-step token routing for the steering tables.
+
+add_request writes a request slot's whole row (every field, so a reused slot never
+inherits anything); prepare_step maps each token row of the batch to its request slot on
+the device, from the batch layout, without a host sync. Position rules are evaluated in
+the op from the token's actual position, so chunked prefill, preemption and spec decode
+need nothing here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from graphtap.sites import SiteTable
+from graphtap.tables import SteerTables
+from graphtap.vectors import VectorBank
+
+
+def position_bitmap(rule, prompt_len: int, max_len: int, words: int) -> np.ndarray:
+    mask = np.zeros(words * 32, dtype=bool)
+    if rule == "all":
+        mask[:max_len] = True
+    elif rule == "prompt":
+        mask[:prompt_len] = True
+    elif rule == "generated":
+        mask[prompt_len:max_len] = True
+    elif rule == "last_prompt":
+        mask[max(prompt_len - 1, 0)] = True
+    elif isinstance(rule, dict):
+        mask[rule["start"]:rule["end"]] = True
+    else:
+        mask[np.asarray(rule, dtype=np.int64)] = True
+    # Bit j of word w is position 32*w + j, as the op reads it.
+    bits = mask.reshape(words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+    return bits.sum(axis=1).astype(np.uint32).view(np.int32)
+
+
+class SteerScheduler:
+    def __init__(self, tables: SteerTables, sites: SiteTable, device: torch.device):
+        self.t = tables
+        self.sites = sites
+        self.device = device
+        self.bank = VectorBank(tables)
+        self._keys: dict[str, list[str]] = {}  # req_id -> vector keys it holds
+        self._arange = torch.arange(tables.tok_slot.shape[0], dtype=torch.int32, device=device)
+        self._last_layout: tuple | None = None
+        self._all_inactive = True
+
+    # -------------------------------------------------------------- requests
+    def add_request(self, slot: int, req_id: str, prompt_len: int, hooks: dict | None) -> None:
+        self.remove_request(req_id)
+        t, e = self.t, self.t.max_steers
+        words = t.ent_pos.shape[2]
+        site = np.full(e, -1, np.int32)
+        vec = np.zeros(e, np.int64)
+        a = np.zeros(e, np.float32)
+        lo = np.full(e, -np.inf, np.float32)
+        hi = np.full(e, np.inf, np.float32)
+        pos = np.zeros((e, words), np.int32)
+        keys = []
+        for i, s in enumerate((hooks or {}).get("steer", [])):
+            sid = self.sites.id_for_slot(s["layer"], s["kind"])
+            if sid is None:  # the frontend checks this; a mismatch must not go unnoticed
+                raise RuntimeError(f"graphtap: site {s['layer']}/{s['kind']} is not configured")
+            site[i], a[i], lo[i], hi[i] = sid, s["a"], s["lo"], s["hi"]
+            vec[i] = self.bank.acquire(s["key"], s["vector"])
+            keys.append(s["key"])
+            pos[i] = position_bitmap(s["positions"], prompt_len, t.max_len, words)
+        if keys:
+            self._keys[req_id] = keys
+        for dst, src in ((t.ent_site, site), (t.ent_vec, vec), (t.ent_a, a), (t.ent_lo, lo),
+                         (t.ent_hi, hi), (t.ent_pos, pos)):
+            dst[slot].copy_(self._to_device(src), non_blocking=True)
+        self._last_layout = None  # a slot's meaning may have changed
+
+    def remove_request(self, req_id: str) -> None:
+        for key in self._keys.pop(req_id, []):
+            self.bank.release(key)
+
+    def has_hooks(self, req_id: str) -> bool:
+        return req_id in self._keys
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        src = torch.from_numpy(arr)
+        if self.device.type == "cuda":
+            src = src.pin_memory()  # caching host allocator: safe with non_blocking
+        return src.to(self.device, non_blocking=True)
+
+    # -------------------------------------------------------------- steps
+    def deactivate(self) -> None:
+        if not self._all_inactive:
+            self.t.tok_slot.fill_(self.t.sentinel)
+            self._all_inactive = True
+            self._last_layout = None
+
+    def prepare_step(self, input_batch, dummy_run: bool) -> None:
+        if dummy_run or not self._keys or not any(map(self.has_hooks, input_batch.req_ids)):
+            self.deactivate()
+            return
+        n = input_batch.num_tokens_after_padding
+        layout = (tuple(input_batch.req_ids), input_batch.num_tokens, n,
+                  input_batch.query_start_loc_np[: input_batch.num_reqs + 1].tobytes())
+        if layout == self._last_layout:
+            return  # same requests, same token rows: the table already says this
+        num_reqs = input_batch.num_reqs
+        qsl = input_batch.query_start_loc[: num_reqs + 1]
+        rows = self._arange[:n]
+        batch_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)
+        batch_row.clamp_(max=num_reqs - 1)
+        slot = input_batch.idx_mapping[batch_row].to(torch.int64)
+        slot = torch.where(rows < qsl[num_reqs], slot, self.t.sentinel)
+        self.t.tok_slot[:n].copy_(slot)
+        self._last_layout = layout
+        self._all_inactive = False
+

@@ -1,0 +1,64 @@
+"""Hook sites: TransformerLens names <-> (layer, kind) <-> dense site ids.
+
+A site id is what the graph-baked ops carry (an int constant per op call); names are what
+users write. Residual kinds are the three slots in vLLM's decoder layers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+RESID_KINDS = ("resid_pre", "resid_mid", "resid_post")
+_NAME = re.compile(r"^blocks\.(\d+|\*)\.hook_(resid_pre|resid_mid|resid_post)$")
+
+
+@dataclass(frozen=True)
+class Site:
+    layer: int
+    kind: str
+
+    @property
+    def name(self) -> str:
+        return f"blocks.{self.layer}.hook_{self.kind}"
+
+
+def parse_site(name: str, num_layers: int) -> Site:
+    """'blocks.3.hook_resid_post' -> Site(3, 'resid_post'); ValueError with the reason."""
+    m = _NAME.match(name) if isinstance(name, str) else None
+    if not m or m.group(1) == "*":
+        raise ValueError(f"unknown site {name!r}: expected blocks.<layer>.hook_resid_pre|"
+                         f"hook_resid_mid|hook_resid_post")
+    layer = int(m.group(1))
+    if layer >= num_layers:
+        raise ValueError(f"layer {layer} is out of range: the model has {num_layers} layers "
+                         f"(0..{num_layers - 1})")
+    return Site(layer, m.group(2))
+
+
+def expand_patterns(patterns: list[str], num_layers: int) -> list[Site]:
+    """Configured site patterns ('blocks.*.hook_resid_post' allowed) -> sorted unique sites."""
+    sites: set[Site] = set()
+    for pattern in patterns:
+        m = _NAME.match(pattern) if isinstance(pattern, str) else None
+        if not m:
+            raise ValueError(f"hook_config.sites: unknown site pattern {pattern!r}")
+        layers = range(num_layers) if m.group(1) == "*" else [int(m.group(1))]
+        for layer in layers:
+            sites.add(parse_site(f"blocks.{layer}.hook_{m.group(2)}", num_layers))
+    return sorted(sites, key=lambda s: (s.layer, RESID_KINDS.index(s.kind)))
+
+
+class SiteTable:
+    """The sites an engine was built with; ids are dense in [0, len)."""
+
+    def __init__(self, sites: list[Site]):
+        self.sites = list(sites)
+        self.ids = {s: i for i, s in enumerate(self.sites)}
+        self._by_slot = {(s.layer, s.kind): i for s, i in self.ids.items()}
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def id_for_slot(self, layer: int, kind: str) -> int | None:
+        """Looked up at trace time: the op for a slot exists only if its site is configured."""
+        return self._by_slot.get((layer, kind))

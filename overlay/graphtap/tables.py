@@ -1,0 +1,61 @@
+"""Routing tables for steering: fixed-address buffers allocated once, before the first
+trace and any graph capture, and refilled by the scheduler before each step.
+
+Layout (R request slots + 1 sentinel slot, E steer entries per slot, V vectors):
+  tok_slot[N]          request slot of each token row; R (the sentinel) = inactive
+  ent_site[R+1, E]     site id of each entry, -1 = unused (the sentinel row stays unused)
+  ent_vec[R+1, E]      row of `bank` holding the entry's vector
+  ent_a/lo/hi[R+1, E]  delta = a*v + (clamp(p, lo, hi) - p) * v_hat,  p = <h, v_hat>
+  ent_pos[R+1, E, W]   bitmap over positions: entry applies where bit p is set
+  bank[V+1, H]         resident vectors (row 0 is zero); inv_norm[V+1] = 1/|v| (0 for row 0)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SteerTables:
+    tok_slot: torch.Tensor
+    ent_site: torch.Tensor
+    ent_vec: torch.Tensor
+    ent_a: torch.Tensor
+    ent_lo: torch.Tensor
+    ent_hi: torch.Tensor
+    ent_pos: torch.Tensor
+    bank: torch.Tensor
+    inv_norm: torch.Tensor
+    max_len: int
+
+    @property
+    def sentinel(self) -> int:
+        return self.ent_site.shape[0] - 1
+
+    @property
+    def max_steers(self) -> int:
+        return self.ent_site.shape[1]
+
+    @classmethod
+    def allocate(cls, *, max_reqs: int, max_tokens: int, max_steers: int, max_vectors: int,
+                 hidden: int, max_len: int, dtype: torch.dtype, device) -> "SteerTables":
+        r, e, w = max_reqs + 1, max_steers, (max_len + 31) // 32
+        f32 = dict(dtype=torch.float32, device=device)
+        t = cls(
+            tok_slot=torch.full((max_tokens,), max_reqs, dtype=torch.int64, device=device),
+            ent_site=torch.full((r, e), -1, dtype=torch.int32, device=device),
+            ent_vec=torch.zeros((r, e), dtype=torch.int64, device=device),
+            ent_a=torch.zeros((r, e), **f32),
+            ent_lo=torch.full((r, e), -torch.inf, **f32),
+            ent_hi=torch.full((r, e), torch.inf, **f32),
+            ent_pos=torch.zeros((r, e, w), dtype=torch.int32, device=device),
+            bank=torch.zeros((max_vectors + 1, hidden), dtype=dtype, device=device),
+            inv_norm=torch.zeros((max_vectors + 1,), **f32),
+            max_len=max_len,
+        )
+        return t
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in vars(self).values()
+                   if isinstance(v, torch.Tensor))

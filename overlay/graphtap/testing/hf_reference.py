@@ -1,0 +1,134 @@
+"""HF transformers reference for steering: the same edits as graphtap, with module hooks.
+
+HF decoder layers carry the residual stream whole, so the TransformerLens sites are:
+  resid_pre[L]   the input of layer L               (forward pre-hook on the layer)
+  resid_post[L]  the output of layer L              (forward hook on the layer)
+  resid_mid[L]   resid_pre[L] + attention output    (edit the attention output so that
+                                                     the sum takes the steered value)
+Every steer is applied in list order with graphtap's formula, in float32:
+  delta = a*v + (clamp(<h, v_hat>, lo, hi) - <h, v_hat>) * v_hat
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+
+from graphtap.spec import _bounds, parse_spec
+from graphtap.sites import parse_site
+
+
+def _selected(rule, positions: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    if rule == "all":
+        return torch.ones_like(positions, dtype=torch.bool)
+    if rule == "prompt":
+        return positions < prompt_len
+    if rule == "generated":
+        return positions >= prompt_len
+    if rule == "last_prompt":
+        return positions == prompt_len - 1
+    if isinstance(rule, dict) or hasattr(rule, "start"):
+        start, end = (rule["start"], rule["end"]) if isinstance(rule, dict) else (rule.start, rule.end)
+        return (positions >= start) & (positions < end)
+    return torch.isin(positions, torch.tensor(list(rule)))
+
+
+def apply_steers(stream: torch.Tensor, steers: list, positions: torch.Tensor, prompt_len: int):
+    """stream [T, H] -> steered stream; each steer: (Steer, a, lo, hi)."""
+    s = stream.float()
+    for steer, a, lo, hi in steers:
+        mask = _selected(steer.positions, positions, prompt_len).unsqueeze(1)
+        v = torch.tensor(steer.vector, dtype=torch.float32)
+        norm = float(v.norm())
+        u = v / norm if norm > 0 else torch.zeros_like(v)
+        p = s @ u
+        lo_t = -math.inf if lo is None else lo
+        d = a * v + (p.clamp(lo_t, hi) - p).unsqueeze(1) * u
+        s = torch.where(mask, s + d, s)
+    return s.to(stream.dtype)
+
+
+class _PositionTracker:
+    """Positions of the tokens in the current forward call (batch of one, KV cache on)."""
+
+    def __init__(self):
+        self.next = 0
+        self.current = torch.arange(0)
+
+    def pre_hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        n = ids.shape[1]
+        self.current = torch.arange(self.next, self.next + n)
+        self.next += n
+
+
+@contextmanager
+def hf_steering(model, hooks: dict, prompt_len: int):
+    """Install graphtap-equivalent steering on an HF causal LM for one generate call."""
+    spec = parse_spec(hooks)
+    layers = model.model.layers
+    tracker = _PositionTracker()
+    handles = [model.register_forward_pre_hook(tracker.pre_hook, with_kwargs=True)]
+    by_site: dict[tuple[int, str], list] = {}
+    for s in spec.steer:
+        site = parse_site(s.site, len(layers))
+        a, lo, hi = _bounds(s)
+        by_site.setdefault((site.layer, site.kind), []).append((s, a, lo, hi))
+
+    def edit(x):
+        return apply_steers(x[0], steers, tracker.current, prompt_len).unsqueeze(0)
+
+    stash: dict[int, torch.Tensor] = {}
+    for (layer, kind), steers in by_site.items():
+        mod = layers[layer]
+        if kind == "resid_pre":
+            def pre(module, args, kwargs, steers=steers):
+                if args:
+                    return (apply_steers(args[0][0], steers, tracker.current, prompt_len)[None],
+                            *args[1:]), kwargs
+                kwargs["hidden_states"] = apply_steers(kwargs["hidden_states"][0], steers,
+                                                       tracker.current, prompt_len)[None]
+                return args, kwargs
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        elif kind == "resid_post":
+            def post(module, args, output, steers=steers):
+                h = output[0] if isinstance(output, tuple) else output
+                h = apply_steers(h[0], steers, tracker.current, prompt_len)[None]
+                return (h, *output[1:]) if isinstance(output, tuple) else h
+            handles.append(mod.register_forward_hook(post))
+        else:  # resid_mid: remember the layer input, then edit the attention output
+            def keep(module, args, kwargs, layer=layer):
+                stash[layer] = args[0] if args else kwargs["hidden_states"]
+            def attn(module, args, output, steers=steers, layer=layer):
+                out = output[0] if isinstance(output, tuple) else output
+                resid = stash[layer]
+                mid = resid[0] + out[0]
+                new = apply_steers(mid, steers, tracker.current, prompt_len)
+                out = (new - resid[0].float()).to(out.dtype)[None]
+                return (out, *output[1:]) if isinstance(output, tuple) else out
+            handles.append(mod.register_forward_pre_hook(keep, with_kwargs=True))
+            handles.append(mod.self_attn.register_forward_hook(attn))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, hooks: dict | None = None):
+    """Greedy tokens and their logprobs from HF, optionally steered: the parity reference."""
+    ids = torch.tensor([prompt_ids])
+    ctx = hf_steering(model, hooks, len(prompt_ids)) if hooks else _null()
+    with ctx, torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=model.config.pad_token_id)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(sc[0].float(), -1)[t].item() for sc, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+@contextmanager
+def _null():
+    yield
