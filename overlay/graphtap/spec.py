@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,7 +23,6 @@ from graphtap.sites import parse_site
 
 FORMAT = 1
 OPS = ("add", "set_projection", "ablate", "clamp")
-PositionName = Literal["all", "prompt", "generated", "last_prompt"]
 
 
 class PositionRange(BaseModel):
@@ -40,8 +39,25 @@ class PositionRange(BaseModel):
         return self
 
 
-Positions = Union[PositionName, Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)],
-                  PositionRange]
+NAMED_POSITIONS = ("all", "prompt", "generated", "last_prompt")
+
+
+def _parse_positions(p: Any):
+    """Dispatch on the JSON type, so an error speaks about the form the user chose."""
+    if isinstance(p, str):
+        if p not in NAMED_POSITIONS:
+            raise ValueError(f"{p!r} is not one of {', '.join(NAMED_POSITIONS)}")
+        return p
+    if isinstance(p, dict) or isinstance(p, PositionRange):
+        return PositionRange.model_validate(p)
+    if isinstance(p, list):
+        if not p:
+            raise ValueError("an empty list selects nothing")
+        bad = next((x for x in p if isinstance(x, bool) or not isinstance(x, int) or x < 0), None)
+        if bad is not None:
+            raise ValueError(f"positions must be integers >= 0, got {bad!r}")
+        return list(p)
+    raise ValueError("expected a name, a list of positions or {\"start\": s, \"end\": e}")
 
 
 class Steer(BaseModel):
@@ -54,7 +70,12 @@ class Steer(BaseModel):
     target: float | None = None
     min: float | None = None
     max: float | None = None
-    positions: Positions = "all"
+    positions: Any = "all"
+
+    @field_validator("positions", mode="before")
+    @classmethod
+    def _positions(cls, p: Any):
+        return _parse_positions(p)
 
     @field_validator("vector")
     @classmethod
@@ -110,8 +131,7 @@ def _loc(loc: tuple) -> str:
 
 def _pydantic_error(e: ValidationError) -> ValueError:
     err = e.errors()[0]
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in (
-        "list[int]", "PositionRange", "literal['all','prompt','generated','last_prompt']")))
+    loc = err["loc"]
     msg = err["msg"].removeprefix("Value error, ")
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     return ValueError(f"{_loc(loc)}: {msg}{more}")

@@ -1,0 +1,76 @@
+"""Steering parity against HF transformers, shared by the per-engine test modules.
+
+Each module starts one graphtap engine (model x eager/compiled) and imports these tests.
+"""
+import numpy as np
+import pytest
+
+from graphtap.testing.engines import _hf_model, tokenize
+from graphtap.testing.hf_reference import hf_generate
+
+MAX_TOKENS = 12
+OPS = [dict(op="add", scale=6.0), dict(op="set_projection", target=4.0), dict(op="ablate"),
+       dict(op="clamp", min=-0.25, max=0.25)]
+KINDS = ["resid_pre", "resid_mid", "resid_post"]
+PROMPT = "Steering vectors shift the hidden state"
+
+
+def vector(hidden, seed=0):
+    return np.random.default_rng(seed).normal(size=hidden).astype(np.float32).tolist()
+
+
+def run(llm, ids, hooks=None, max_tokens=MAX_TOKENS, **kw):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, hooks=hooks, **kw)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    return tokens, [lp[t].logprob for lp, t in zip(out.logprobs, tokens)]
+
+
+def assert_parity(got, want):
+    (gt, glp), (wt, wlp) = got, want
+    assert gt == wt, f"tokens differ:\n vllm {gt}\n hf   {wt}"
+    assert np.max(np.abs(np.array(glp) - np.array(wlp))) < 1e-4, (glp, wlp)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o["op"])
+def test_steer_parity_with_hf(steer_engine, kind, op):
+    llm, path, hidden, layers = steer_engine
+    ids = tokenize(path, [PROMPT])[0]
+    layer = 0 if kind == "resid_pre" else layers // 2
+    hooks = {"steer": [{"site": f"blocks.{layer}.hook_{kind}", "vector": vector(hidden),
+                        "positions": "all", **op}]}
+    got = run(llm, ids, hooks)
+    assert_parity(got, hf_generate(_hf_model(str(path)), ids, MAX_TOKENS, hooks))
+    if op["op"] == "add":  # the steer must matter, or parity proves nothing
+        assert got[0] != run(llm, ids)[0]
+
+
+@pytest.mark.parametrize("positions", ["prompt", "generated", "last_prompt", [2, 5, 9],
+                                       {"start": 3, "end": 11}], ids=str)
+def test_positions_and_several_steers_parity_with_hf(steer_engine, positions):
+    llm, path, hidden, layers = steer_engine
+    ids = tokenize(path, [PROMPT])[0]
+    hooks = {"steer": [
+        {"site": f"blocks.{layers - 1}.hook_resid_post", "op": "add", "scale": 5.0,
+         "vector": vector(hidden, 1), "positions": positions},
+        {"site": "blocks.1.hook_resid_mid", "op": "set_projection", "target": -3.0,
+         "vector": vector(hidden, 2), "positions": positions},
+        {"site": f"blocks.{layers - 1}.hook_resid_post", "op": "clamp", "min": -0.1,
+         "max": 0.1, "vector": vector(hidden, 3), "positions": "all"},
+    ]}
+    assert_parity(run(llm, ids, hooks), hf_generate(_hf_model(str(path)), ids, MAX_TOKENS, hooks))
+
+
+def test_plain_requests_match_hf(steer_engine):
+    llm, path, _, _ = steer_engine
+    ids = tokenize(path, [PROMPT])[0]
+    assert_parity(run(llm, ids), hf_generate(_hf_model(str(path)), ids, MAX_TOKENS))
+
+
+def test_runner_is_v2(steer_engine):
+    from graphtap.testing.engines import runner_info
+
+    assert runner_info(steer_engine[0])["model_runner_v2"]

@@ -1,0 +1,191 @@
+"""Steering without an engine: the op (torch reference vs Triton kernel in Triton's
+interpreter), position bitmaps, spec validation, admission and the cache salt."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from graphtap.frontend import GraphtapFrontend
+from graphtap.ops.steer import steer_reference
+from graphtap.scheduler import position_bitmap
+from graphtap.spec import ModelShape, normalise, parse_spec, steering_salt
+from graphtap.tables import SteerTables
+
+H, R, E, V, N, L = 64, 4, 3, 5, 24, 100
+
+
+def random_tables(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = SteerTables.allocate(max_reqs=R, max_tokens=N, max_steers=E, max_vectors=V, hidden=H,
+                             max_len=L, dtype=dtype, device="cpu")
+    t.bank[1:] = torch.randn(V, H, generator=g).to(dtype)
+    t.inv_norm[1:] = 1.0 / t.bank[1:].float().norm(dim=1)
+    words = t.ent_pos.shape[2]
+    for slot in range(R):  # slot R stays the unused sentinel
+        for e in range(E):
+            if (slot + e) % 4 == 3:
+                continue  # some unused entries
+            t.ent_site[slot, e] = (slot + e) % 2
+            t.ent_vec[slot, e] = 1 + (slot * E + e) % V
+            op = (slot + 2 * e) % 4
+            t.ent_a[slot, e] = 2.5 if op == 0 else 0.0
+            t.ent_lo[slot, e], t.ent_hi[slot, e] = [(-math.inf, math.inf), (1.5, 1.5), (0.0, 0.0),
+                                                    (-0.3, 0.2)][op]
+            rule = ["all", "prompt", "generated", {"start": 3, "end": 9}][(slot + e) % 4]
+            t.ent_pos[slot, e] = torch.from_numpy(position_bitmap(rule, 6, L, words))
+    t.tok_slot[:N] = torch.randint(0, R + 1, (N,), generator=g)
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_other", [True, False])
+def test_triton_kernel_matches_reference(dtype, with_other):
+    from graphtap.ops.steer_triton import steer_triton  # runs in Triton's interpreter here
+
+    t = random_tables(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, H, generator=g).to(dtype)
+    other = torch.randn(N, H, generator=g).to(dtype) if with_other else None
+    pos = torch.randint(0, 12, (N,), generator=g)
+    ref, tri = x.clone(), x.clone()
+    steer_reference(t, ref, other, pos, 1)
+    steer_triton(t, tri, other, pos, 1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(tri.float(), ref.float(), atol=tol, rtol=tol)
+    assert not torch.equal(ref, x), "the random tables should steer some rows"
+
+
+def test_inactive_rows_are_bit_identical():
+    t = random_tables(torch.float32)
+    t.tok_slot[: N // 2] = t.sentinel
+    x = torch.randn(N, H)
+    y = x.clone()
+    steer_reference(t, y, torch.randn(N, H), torch.arange(N), 0)
+    assert torch.equal(y[: N // 2], x[: N // 2])
+    t.tok_slot.fill_(t.sentinel)
+    z = x.clone()
+    steer_reference(t, z, None, torch.arange(N), 0)
+    assert torch.equal(z, x)
+
+
+def test_ops_semantics_on_one_row():
+    t = SteerTables.allocate(max_reqs=1, max_tokens=1, max_steers=1, max_vectors=1, hidden=4,
+                             max_len=8, dtype=torch.float32, device="cpu")
+    v = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    t.bank[1], t.inv_norm[1] = v, 0.2
+    t.ent_site[0, 0], t.ent_vec[0, 0], t.tok_slot[0] = 0, 1, 0
+    t.ent_pos[0, 0] = torch.from_numpy(position_bitmap("all", 1, 8, 1))
+    h = torch.tensor([[1.0, 2.0, 5.0, 0.0]])  # <h, v_hat> = (3 + 8) / 5 = 2.2
+    u = v / 5
+
+    def run(a, lo, hi):
+        t.ent_a[0, 0], t.ent_lo[0, 0], t.ent_hi[0, 0] = a, lo, hi
+        x = h.clone()
+        steer_reference(t, x, None, torch.tensor([0]), 0)
+        return x[0]
+
+    torch.testing.assert_close(run(2.0, -math.inf, math.inf), h[0] + 2 * v)      # add
+    torch.testing.assert_close(run(0.0, 1.0, 1.0) @ u, torch.tensor(1.0))         # set_projection
+    torch.testing.assert_close(run(0.0, 0.0, 0.0) @ u, torch.tensor(0.0))         # ablate
+    torch.testing.assert_close(run(0.0, -1.0, 1.5) @ u, torch.tensor(1.5))        # clamp
+    torch.testing.assert_close(run(0.0, -1.0, 3.0), h[0])                         # clamp, inside
+
+
+def test_position_bitmap():
+    words = 2
+    def bits(rule, prompt_len=5):
+        w = position_bitmap(rule, prompt_len, 40, words).view(np.uint32)
+        return [p for p in range(64) if (int(w[p // 32]) >> (p % 32)) & 1]
+    assert bits("all") == list(range(40))
+    assert bits("prompt") == [0, 1, 2, 3, 4]
+    assert bits("generated") == list(range(5, 40))
+    assert bits("last_prompt") == [4]
+    assert bits({"start": 30, "end": 34}) == [30, 31, 32, 33]
+    assert bits([12, 33, 39]) == [12, 33, 39]
+
+
+SHAPE = ModelShape(num_layers=4, hidden_size=8, max_model_len=64, max_steers=3, max_vectors=2,
+                   configured_sites={f"blocks.{i}.hook_resid_{k}" for i in range(4)
+                                     for k in ("pre", "mid", "post")} - {"blocks.3.hook_resid_mid"})
+
+
+def steer(**kw):
+    base = {"site": "blocks.1.hook_resid_post", "op": "add", "vector": [1.0] * 8, "scale": 2.0}
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize("entry, field, words", [
+    (steer(site="blocks.1.hook_mlp_out"), "hooks.steer[0].site", "unknown site"),
+    (steer(site="blocks.9.hook_resid_post"), "hooks.steer[0].site", "out of range"),
+    (steer(site="blocks.3.hook_resid_mid"), "hooks.steer[0].site", "no op in this engine"),
+    (steer(vector=[1.0] * 7), "hooks.steer[0].vector", "hidden size is 8"),
+    (steer(vector=[1.0] * 7 + [float("nan")]), "hooks.steer[0].vector", "finite"),
+    (steer(vector=[1.0] * 7 + [float("inf")]), "hooks.steer[0].vector", "finite"),
+    (steer(scale=float("inf")), "hooks.steer[0].scale", "finite"),
+    (steer(op="multiply"), "hooks.steer[0].op", "'add'"),
+    (steer(op="set_projection"), "hooks.steer[0]", "needs 'target'"),
+    (steer(op="clamp", min=1.0, max=0.0), "hooks.steer[0]", "greater than max"),
+    (steer(op="ablate", vector=[0.0] * 8), "hooks.steer[0]", "non-zero vector"),
+    (steer(positions="middle"), "hooks.steer[0].positions", "not one of all"),
+    (steer(positions=[1, -2]), "hooks.steer[0].positions", "integers >= 0"),
+    (steer(positions={"start": 5, "end": 2}), "hooks.steer[0].positions", "greater than start"),
+    (steer(positions=[3, 64]), "hooks.steer[0].positions", "beyond max_model_len"),
+    (steer(colour="red"), "hooks.steer[0].colour", "Extra inputs"),
+])
+def test_invalid_specs_name_the_field(entry, field, words):
+    with pytest.raises(ValueError) as e:
+        normalise(parse_spec({"steer": [entry]}), SHAPE)
+    assert str(e.value).startswith(field + ":") or str(e.value).startswith(field), str(e.value)
+    assert words in str(e.value), str(e.value)
+
+
+def test_too_many_steers_and_vectors():
+    many = {"steer": [steer(vector=[float(i + 1)] * 8) for i in range(3)]}
+    with pytest.raises(ValueError, match=r"hooks.steer: 3 distinct vectors.*max_vectors"):
+        normalise(parse_spec(many), SHAPE)
+    with pytest.raises(ValueError, match=r"hooks.steer: 4 steers.*max_steers"):
+        normalise(parse_spec({"steer": [steer()] * 4}), SHAPE)
+    with pytest.raises(ValueError, match=r"^hooks: not valid JSON"):
+        parse_spec("{nope")
+
+
+def test_salt_is_a_content_hash():
+    a = normalise(parse_spec({"steer": [steer()]}), SHAPE)
+    b = normalise(parse_spec({"steer": [steer()]}), SHAPE)
+    c = normalise(parse_spec({"steer": [steer(scale=2.5)]}), SHAPE)
+    assert steering_salt(a) == steering_salt(b) != steering_salt(c)
+    assert steering_salt({"format": 1, "steer": []}) is None
+
+
+class _Params:
+    def __init__(self, hooks=None, extra_args=None):
+        self.hooks, self.extra_args = hooks, extra_args
+
+
+class _Request:
+    def __init__(self, rid, params):
+        self.request_id, self.sampling_params = rid, params
+
+
+def test_frontend_salts_and_admits_within_the_vector_table():
+    fe = GraphtapFrontend(SHAPE)
+    p1 = _Params({"steer": [steer(vector=[1.0] * 8)]})
+    assert fe.process_request("r1", p1, None).startswith("graphtap:")
+    assert fe.process_request("r1", p1 := _Params({"steer": [steer(vector=[1.0] * 8)]}), "user") \
+        .startswith("user|graphtap:")
+    plain = _Params()
+    assert fe.process_request("r0", plain, "user") == "user" and plain.hooks is None
+    http = _Params(extra_args={"hooks": '{"steer": [%s]}' % str(steer()).replace("'", '"')})
+    assert fe.process_request("r2", http, None) and http.hooks["steer"][0]["a"] == 2.0
+    p2 = _Params({"steer": [steer(vector=[2.0] * 8)]})
+    p3 = _Params({"steer": [steer(vector=[3.0] * 8)]})
+    fe.process_request("r2", p2, None)
+    fe.process_request("r3", p3, None)
+    fe.admit_request(_Request("a", p1))
+    fe.admit_request(_Request("b", p2))
+    fe.admit_request(_Request("b2", p2))  # same vector: no new slot
+    with pytest.raises(ValueError, match=r"hooks.steer: .*live requests hold 2 of the 2"):
+        fe.admit_request(_Request("c", p3))
+    fe.release_request("a")
+    fe.admit_request(_Request("c", p3))
