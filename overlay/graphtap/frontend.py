@@ -5,10 +5,19 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
 from graphtap.config import HookConfig
 from graphtap.spec import ModelShape, normalise, parse_spec, steering_salt
+
+
+class HookSpecError(VLLMValidationError, ValueError):
+    """A bad hook spec: a ValueError for Python callers, and a client error (HTTP 400)
+    for vLLM's OpenAI server, which answers a plain ValueError with a 500."""
+
+    def __init__(self, message: str):
+        super().__init__(message, parameter=message.split(":", 1)[0])
 
 
 def model_shape(vllm_config, config: HookConfig) -> ModelShape:
@@ -30,6 +39,14 @@ class GraphtapFrontend(HookFrontend):
         self._refs: Counter[str] = Counter()
 
     def process_request(self, request_id, params, cache_salt):
+        try:
+            return self._process(params, cache_salt)
+        except HookSpecError:
+            raise
+        except ValueError as e:
+            raise HookSpecError(str(e)) from None
+
+    def _process(self, params, cache_salt):
         raw = params.hooks
         if raw is None and params.extra_args and "hooks" in params.extra_args:
             raw = params.extra_args.pop("hooks")  # HTTP: vllm_xargs={"hooks": "<json>"}
@@ -52,7 +69,7 @@ class GraphtapFrontend(HookFrontend):
             new = [k for k in keys if self._refs[k] == 0]
             held = sum(1 for k, n in self._refs.items() if n > 0)
             if held + len(new) > self.shape.max_vectors:
-                raise ValueError(
+                raise HookSpecError(
                     f"hooks.steer: this request needs {len(new)} new resident vector(s) and "
                     f"live requests hold {held} of the {self.shape.max_vectors} slots "
                     f"(hook_config.max_vectors); retry when some finish, or raise the limit")
