@@ -24,8 +24,10 @@ class VectorBank:
         if row is None:
             row = self._take_row(key)
             vec = torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy())
-            norm = float(vec.norm())
-            self.t.bank[row].copy_(vec.to(self.t.bank.dtype))
+            stored = vec.to(self.t.bank.dtype)
+            # The norm of the vector as stored (bf16 rounds it), so v_hat is a unit vector.
+            norm = float(stored.float().norm())
+            self.t.bank[row].copy_(stored)
             self.t.inv_norm[row] = 1.0 / norm if norm > 0 else 0.0
             self._rows[key] = row
         self._rows.move_to_end(key)

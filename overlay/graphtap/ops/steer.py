@@ -14,6 +14,9 @@ import torch
 from graphtap.tables import SteerTables
 
 _tables: SteerTables | None = None
+# How often the op's Python body ran. Inside a replayed CUDA graph it never runs (only its
+# kernels replay), which is how the GPU check proves steering happened in graphs.
+python_calls = 0
 
 
 def bind_tables(tables: SteerTables | None) -> None:
@@ -49,6 +52,8 @@ def steer_reference(t: SteerTables, x: torch.Tensor, other: torch.Tensor | None,
 @torch.library.custom_op("graphtap::steer_resid_", mutates_args=("x",))
 def steer_resid_(x: torch.Tensor, other: Optional[torch.Tensor], positions: torch.Tensor,
                  site: int) -> None:
+    global python_calls
+    python_calls += 1
     t = _tables
     if t is None:
         return

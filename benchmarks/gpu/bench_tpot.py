@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""End-to-end TPOT of stock vLLM vs graphtap (idle and steering), Poisson arrivals.
+
+One engine launch per (model, variant): `--variant stock` runs vLLM without a hook
+manager (on the GPU host: the stock wheel), `--variant graphtap` runs the patched wheel
+with hook_manager="graphtap" and one configured site (blocks.{L/2}.hook_resid_post); its
+`idle` and `steer` modes alternate inside that launch, so they share compile artifacts,
+graphs and memory layout and differ only in table contents (steer: every request adds a
+vector at that site, all positions).
+
+Per (rate, repetition): N requests of IN prompt tokens and OUT output tokens
+(ignore_eos), arrivals Poisson at `rate` req/s, in-process AsyncLLM; a request's TPOT is
+(t_last_token - t_first_token) / (OUT - 1); a run's figure is the median over requests;
+the reported figure is the median of the repetitions. Results: JSON per launch, then
+`--report` merges them into a markdown table of overhead vs stock.
+
+  GPU:  bench_tpot.py --model llama3-8b --variant stock --out benchmarks/results
+  CPU:  bench_tpot.py --quick --variant graphtap   (tiny model, CI smoke; no speed claims)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ARCHS = {  # real architecture shapes; weights are dummy (speed does not depend on them)
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
+                      hidden_act="silu", torch_dtype="bfloat16"),
+    "qwen2-1.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536,
+                       intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643,
+                       eos_token_id=151643, tie_word_embeddings=True, hidden_act="silu",
+                       use_sliding_window=False, torch_dtype="bfloat16"),
+}
+REQUESTS_PER_RATE = {1: 12, 4: 24, 8: 32, 16: 48}
+
+
+def model_dir(name: str) -> tuple[str, dict]:
+    if name == "tiny":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlay"))
+        from graphtap.testing.tiny_models import SPECS, tiny_model
+
+        return str(tiny_model("llama")), {**SPECS["llama"], "vocab_size": 512}
+    d = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    (d / "config.json").write_text(json.dumps(ARCHS[name]))
+    return str(d), ARCHS[name]
+
+
+def engine_args(args, path: str, cfg: dict):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kw = dict(model=path, load_format="dummy", skip_tokenizer_init=True, seed=0,
+              max_model_len=args.input_len + args.output_len + 16, max_num_seqs=64,
+              enable_prefix_caching=False)
+    if args.quick:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        kw.update(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True,
+                  load_format="auto", skip_tokenizer_init=False)
+    else:
+        kw.update(dtype="bfloat16", gpu_memory_utilization=0.85,
+                  compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    if args.variant == "graphtap":
+        kw.update(hook_manager="graphtap",
+                  hook_config={"sites": [f"blocks.{steer_layer(cfg)}.hook_resid_post"]})
+    return AsyncEngineArgs(**kw)
+
+
+def steer_layer(cfg: dict) -> int:
+    return cfg["num_hidden_layers"] // 2
+
+
+async def one_request(engine, rid: str, ids: list[int], params, start_at: float, t0: float):
+    from vllm.inputs import TokensPrompt
+
+    await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
+    times = []
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
+        n = len(out.outputs[0].token_ids)
+        now = time.perf_counter()
+        times.extend([now] * (n - len(times)))
+    return times
+
+
+async def run_rate(engine, args, cfg, rate: float, rep: int, hooks) -> dict:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    n = args.requests or REQUESTS_PER_RATE.get(int(rate), 24)
+    rng = np.random.default_rng([rep + 1, int(rate)])
+    gaps = rng.exponential(1.0 / rate, size=n)
+    starts = np.cumsum(gaps) - gaps[0]
+    vocab = cfg["vocab_size"]
+    extra = {"hooks": hooks} if hooks else {}  # stock vLLM has no such field
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0,
+                            output_kind=RequestOutputKind.CUMULATIVE, **extra)
+    t0 = time.perf_counter()
+    tasks = [one_request(engine, f"r{rate}-{rep}-{i}-{time.monotonic_ns()}",
+                         rng.integers(10, vocab - 10, args.input_len).tolist(), params,
+                         float(starts[i]), t0) for i in range(n)]
+    all_times = await asyncio.gather(*tasks)
+    tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in all_times if len(t) > 1]
+    ttfts = [(t[0] - t0 - s) * 1000 for t, s in zip(all_times, starts) if t]
+    return {"rate": rate, "rep": rep, "requests": n, "tpot_ms_median": statistics.median(tpots),
+            "tpot_ms_p90": float(np.percentile(tpots, 90)), "ttft_ms_median": statistics.median(ttfts),
+            "wall_s": time.perf_counter() - t0}
+
+
+async def bench(args) -> dict:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    path, cfg = model_dir(args.model)
+    t_start = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(engine_args(args, path, cfg))
+    startup = time.perf_counter() - t_start
+    modes = ["plain"] if args.variant == "stock" else args.modes.split(",")
+    vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
+    vec = (vec / np.linalg.norm(vec) * 4.0).tolist()
+    steer = {"steer": [{"site": f"blocks.{steer_layer(cfg)}.hook_resid_post", "op": "add",
+                        "scale": 1.0, "vector": vec, "positions": "all"}]}
+    result = {"model": args.model, "variant": args.variant, "input_len": args.input_len,
+              "output_len": args.output_len, "startup_s": startup, "runs": [],
+              "host": platform.node(), "gpu": gpu_name(), "vllm": vllm_version()}
+    out = Path(args.out) / f"tpot-{args.model}-{args.variant}{'-quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        await run_rate(engine, args, cfg, max(args.rates), -1, None)  # warm-up, not recorded
+        for rep in range(args.reps):
+            for rate in args.rates:
+                for mode in modes:  # idle and steer alternate: same engine, same moment
+                    r = await run_rate(engine, args, cfg, rate, rep, steer if mode == "steer" else None)
+                    r["mode"] = mode
+                    result["runs"].append(r)
+                    print(json.dumps(r), flush=True)
+                    out.write_text(json.dumps(result, indent=1))  # partial results survive a kill
+    finally:
+        engine.shutdown()
+    summarise(result)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return result
+
+
+def summarise(result: dict) -> None:
+    summary: dict[str, dict[str, float]] = {}
+    for r in result["runs"]:
+        summary.setdefault(r["mode"], {}).setdefault(f"{r['rate']:g}", []).append(r["tpot_ms_median"])
+    result["summary_tpot_ms"] = {m: {k: statistics.median(v) for k, v in d.items()}
+                                 for m, d in summary.items()}
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "unknown"
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?") + (" (patched)" if _patched() else " (stock)")
+
+
+def _patched() -> bool:
+    try:
+        import vllm.v1.worker.gpu.hooks  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
+def report(results_dir: Path) -> str:
+    runs = {}
+    for f in sorted(results_dir.glob("tpot-*.json")):
+        if f.stem.endswith("-quick"):
+            continue
+        d = json.loads(f.read_text())
+        if "summary_tpot_ms" not in d:
+            summarise(d)
+        for mode, by_rate in d["summary_tpot_ms"].items():
+            runs[(d["model"], "stock" if d["variant"] == "stock" else f"graphtap {mode}")] = (by_rate, d)
+    lines = ["| model | variant | " + " | ".join(f"{r} req/s" for r in (1, 4, 8, 16)) + " |",
+             "|---|---|" + "---|" * 4]
+    for (model, variant), (by_rate, d) in sorted(runs.items()):
+        base = runs.get((model, "stock"), (None,))[0]
+        cells = []
+        for rate in ("1", "4", "8", "16"):
+            if rate not in by_rate:
+                cells.append("–")
+                continue
+            v = by_rate[rate]
+            if base and rate in base and variant != "stock":
+                cells.append(f"{v:.2f} ms ({(v / base[rate] - 1) * 100:+.2f} %)")
+            else:
+                cells.append(f"{v:.2f} ms")
+        lines.append(f"| {model} | {variant} | " + " | ".join(cells) + " |")
+    any_d = next(iter(runs.values()), (None, {}))[1]
+    md = (f"Median TPOT (median of repetitions; in brackets: vs stock, same model), "
+          f"{any_d.get('input_len')} in / {any_d.get('output_len')} out tokens, GPU: "
+          f"{any_d.get('gpu')}\n\n" + "\n".join(lines) + "\n")
+    (results_dir / "tpot.md").write_text(md)
+    return md
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="llama3-8b")
+    ap.add_argument("--variant", choices=["stock", "graphtap"], default="graphtap")
+    ap.add_argument("--modes", default="idle,steer", help="graphtap modes, alternated")
+    ap.add_argument("--rates", default="1,4,8,16")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=0, help="per run (default: by rate)")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run on a tiny model")
+    ap.add_argument("--report", action="store_true", help="only merge results into tpot.md")
+    args = ap.parse_args()
+    if args.report:
+        print(report(Path(args.out)))
+        return 0
+    args.rates = [float(r) for r in args.rates.split(",")]
+    if args.quick:
+        args.model, args.rates, args.reps = "tiny", [8.0], 1
+        args.requests, args.input_len, args.output_len = args.requests or 4, 16, 8
+    asyncio.run(bench(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

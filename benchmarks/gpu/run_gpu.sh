@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One step of the GPU measurement, after the offline bundle is installed in /tmp/vllm-site
+# (see ../shared/gpu-bundle/README.md). Steps, each within the device's 10-minute limit:
+#   check            graph parity + in-graph proof on a tiny model (patched)
+#   <model> stock    TPOT, stock vLLM wheel
+#   <model> graphtap TPOT, patched wheel + graphtap (idle and steering alternate)
+#   report           merge results into benchmarks/results/tpot.md
+# Results are written to $OUT (the device tool brings them back) and benchmarks/results.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source benchmarks/gpu/overlay_site.sh /tmp/gt-site
+OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"; export OUT
+DEPS=/tmp/vllm-site/deps
+while [ $# -gt 0 ]; do
+  case "$1" in
+    check)  PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 benchmarks/gpu/check_graphs.py; shift ;;
+    report) python3 benchmarks/gpu/bench_tpot.py --report --out "$OUT"; shift ;;
+    *)      model=$1 variant=$2; shift 2
+            site=/tmp/vllm-site/$([ "$variant" = stock ] && echo stock || echo patched)
+            PYTHONPATH=$site:$DEPS:$GT_SITE python3 benchmarks/gpu/bench_tpot.py \
+              --model "$model" --variant "$variant" --out "$OUT" ${BENCH_ARGS:-} ;;
+  esac
+done

@@ -1,0 +1,32 @@
+"""The GPU TPOT benchmark's CPU `--quick` mode, so the script never rots (no speed claims)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_tpot.py"
+
+
+@pytest.mark.parametrize("variant", ["stock", "graphtap"])
+def test_bench_tpot_quick(variant, tmp_path, llama_path):
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--variant", variant,
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / f"tpot-tiny-{variant}-quick.json").read_text())
+    modes = {r["mode"] for r in data["runs"]}
+    assert modes == ({"plain"} if variant == "stock" else {"idle", "steer"})
+    assert all(r["tpot_ms_median"] > 0 for r in data["runs"])
+
+
+def test_report_merges_results(tmp_path):
+    for variant, modes in (("stock", {"plain": 5.0}), ("graphtap", {"idle": 5.01, "steer": 5.05})):
+        (tmp_path / f"tpot-llama3-8b-{variant}.json").write_text(json.dumps({
+            "model": "llama3-8b", "variant": variant, "input_len": 256, "output_len": 128,
+            "gpu": "H200", "summary_tpot_ms": {m: {"1": v} for m, v in modes.items()}}))
+    res = subprocess.run([sys.executable, str(SCRIPT), "--report", "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    md = (tmp_path / "tpot.md").read_text()
+    assert "graphtap steer" in md and "+1.00 %" in md and "+0.20 %" in md
