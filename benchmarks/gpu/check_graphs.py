@@ -22,6 +22,11 @@ sys.path.insert(0, str(ROOT / "overlay"))
 
 import numpy as np  # noqa: E402
 
+if os.environ.get("GT_STACKS"):  # diagnose a slow or stuck start: dump every thread's stack
+    import faulthandler
+
+    faulthandler.dump_traceback_later(int(os.environ["GT_STACKS"]), repeat=True)
+
 
 def hooks_for(i: int, hidden: int):
     vec = lambda s: np.random.default_rng(s).normal(size=hidden).astype(np.float32).tolist()
