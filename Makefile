@@ -1,6 +1,9 @@
 # The two commands of the README. Both set up .venv first (idempotent).
 VENV := .venv/bin
+# CPU only: Triton's interpreter runs Model Runner V2's kernels where there is no GPU.
+ifeq ($(shell command -v nvidia-smi),)
 export TRITON_INTERPRET ?= 1
+endif
 
 .PHONY: setup demo test wheel verify bench
 setup:

@@ -7,9 +7,18 @@ from pathlib import Path
 
 from graphtap.runner_info import WORKER_EXTENSION
 
+
+def _use_triton_interpreter() -> bool:
+    """Only without a GPU: on one, the interpreter would run every kernel on the host."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 # Must be set before vLLM (and so Triton) is imported anywhere in the process, and it is
 # inherited by vLLM's engine-core and worker processes.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "TRITON_INTERPRET" not in os.environ and _use_triton_interpreter():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 CPU_DEFAULTS = dict(dtype="float32", gpu_memory_utilization=0.3, max_model_len=512, seed=0,
                     max_num_seqs=16)
