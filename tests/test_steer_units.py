@@ -189,3 +189,31 @@ def test_frontend_salts_and_admits_within_the_vector_table():
         fe.admit_request(_Request("c", p3))
     fe.release_request("a")
     fe.admit_request(_Request("c", p3))
+
+
+@pytest.mark.parametrize("entry, field, words", [
+    ({"site": "blocks.1.hook_attn_q"}, "hooks.capture[0].site", "unknown site"),
+    ({"site": "blocks.3.hook_resid_mid"}, "hooks.capture[0].site", "no op in this engine"),
+    ({"site": "blocks.1.hook_resid_pre", "dtype": "int8"}, "hooks.capture[0].dtype", "'model'"),
+    ({"site": "blocks.1.hook_resid_pre", "positions": "soon"}, "hooks.capture[0].positions",
+     "not one of"),
+    ({"site": "blocks.1.hook_resid_pre", "heads": [1]}, "hooks.capture[0].heads", "Extra inputs"),
+])
+def test_invalid_captures_name_the_field(entry, field, words):
+    with pytest.raises(ValueError) as e:
+        normalise(parse_spec({"capture": [entry]}), SHAPE)
+    assert str(e.value).startswith(field) and words in str(e.value), str(e.value)
+
+
+def test_capture_limits_and_prefix_cache_reads():
+    twice = {"capture": [{"site": "blocks.1.hook_resid_pre"}, {"site": "blocks.1.hook_resid_pre"}]}
+    with pytest.raises(ValueError, match=r"hooks.capture\[1\].site: .* captured twice"):
+        normalise(parse_spec(twice), SHAPE)
+    many = {"capture": [{"site": f"blocks.{i}.hook_resid_pre"} for i in range(4)] * 3}
+    with pytest.raises(ValueError, match=r"hooks.capture: 12 captures.*max_captures"):
+        normalise(parse_spec(many), SHAPE)
+    fe = GraphtapFrontend(SHAPE)
+    p = _Params({"capture": [{"site": "blocks.0.hook_resid_post"}]})
+    p.skip_reading_prefix_cache = None
+    assert fe.process_request("r", p, "salt") == "salt"  # capture alone changes no KV
+    assert p.skip_reading_prefix_cache is True  # but must recompute cached prompt positions

@@ -18,6 +18,12 @@ class HookConfig(BaseModel):
     """Resident steering-vector table size (distinct vectors of live requests)."""
     max_steers: int = Field(8, ge=1, le=64)
     """Steer entries per request."""
+    max_captures: int = Field(8, ge=1, le=64)
+    """Capture entries (sites) per request."""
+    capture_rows: int = Field(4096, ge=1)
+    """Rows of the device capture buffer, per step (each row: one position at one site,
+    hidden_size floats). Part of the memory vLLM profiles; a step that would need more
+    fails its capturing requests' captures with an error instead of dropping rows."""
 
     def site_table(self, num_layers: int) -> SiteTable:
         return SiteTable(expand_patterns(self.sites, num_layers))

@@ -2,13 +2,18 @@
 the resident vector table from overflowing by refusing requests at admission."""
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
+
+import torch
 
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
+from graphtap.capture_scheduler import OVERFLOW_KEY
 from graphtap.config import HookConfig
+from graphtap.outputs import HookOutputs
 from graphtap.spec import ModelShape, normalise, parse_spec, steering_salt
 
 
@@ -26,7 +31,8 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
     return ModelShape(
         num_layers=num_layers, hidden_size=mc.get_hidden_size(), max_model_len=mc.max_model_len,
         configured_sites={s.name for s in config.site_table(num_layers).sites},
-        max_steers=config.max_steers, max_vectors=config.max_vectors)
+        max_steers=config.max_steers, max_vectors=config.max_vectors,
+        max_captures=config.max_captures)
 
 
 class GraphtapFrontend(HookFrontend):
@@ -37,6 +43,7 @@ class GraphtapFrontend(HookFrontend):
         self._lock = threading.Lock()
         self._live: dict[str, set[str]] = {}
         self._refs: Counter[str] = Counter()
+        self._save_to: dict[str, str] = {}
 
     def process_request(self, request_id, params, cache_salt):
         try:
@@ -55,6 +62,10 @@ class GraphtapFrontend(HookFrontend):
             return cache_salt
         normalised = normalise(parse_spec(raw), self.shape)
         params.hooks = normalised
+        if normalised["capture"]:
+            # Prompt positions served from the prefix cache never run through the model,
+            # so a capturing request recomputes its prompt (it still writes the cache).
+            params.skip_reading_prefix_cache = True
         salt = steering_salt(normalised)
         if salt is None:
             return cache_salt
@@ -62,6 +73,8 @@ class GraphtapFrontend(HookFrontend):
 
     def admit_request(self, request) -> None:
         hooks = request.sampling_params.hooks if request.sampling_params else None
+        if hooks and hooks.get("save_to"):
+            self._save_to[request.request_id] = hooks["save_to"]
         keys = {s["key"] for s in (hooks or {}).get("steer", [])}
         if not keys:
             return
@@ -84,3 +97,39 @@ class GraphtapFrontend(HookFrontend):
                 for k in keys:
                     if self._refs[k] <= 0:
                         del self._refs[k]
+
+    def finish_outputs(self, request_id: str, chunks) -> HookOutputs:
+        """Merge a finished request's pieces: rows in position order, the last row kept
+        where a position ran twice (recomputation after preemption)."""
+        merged: dict[str, list[torch.Tensor]] = {}
+        for chunk in chunks:
+            for name, tensor in chunk.items():
+                merged.setdefault(name, []).append(tensor)
+        save_to = self._save_to.pop(request_id, None)
+        if OVERFLOW_KEY in merged:
+            wanted, capacity = merged[OVERFLOW_KEY][0].tolist()
+            return HookOutputs(error=(
+                f"hooks.capture: a step needed {wanted} capture rows and the buffer holds "
+                f"{capacity} (hook_config.capture_rows); this request's captures are "
+                f"incomplete and were withheld"))
+        out = HookOutputs()
+        for name in [n for n in merged if not n.endswith("@positions")]:
+            rows = torch.cat(merged[name])
+            pos = torch.cat(merged[f"{name}@positions"])
+            order = torch.argsort(pos, stable=True)
+            rows, pos = rows[order], pos[order]
+            keep = torch.ones_like(pos, dtype=torch.bool)
+            keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
+            out[name], out.positions[name] = rows[keep].contiguous(), pos[keep].contiguous()
+        if save_to:
+            self._save(save_to, request_id, out)
+        return out
+
+    @staticmethod
+    def _save(directory: str, request_id: str, out: HookOutputs) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        tensors = {**out, **{f"{k}.positions": v for k, v in out.positions.items()}}
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)
+        save_file(tensors, os.path.join(directory, f"{safe}.safetensors"))

@@ -11,12 +11,15 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.hook_slots import bind_residual_hook
 from vllm.v1.worker.gpu.hooks import HookManager, hook_config
 
+import graphtap.ops.capture  # noqa: F401  registers graphtap::capture_resid_
 import graphtap.ops.steer  # noqa: F401  registers graphtap::steer_resid_ before any trace
+from graphtap.capture_scheduler import CaptureScheduler
 from graphtap.config import load_hook_config
 from graphtap.frontend import GraphtapFrontend, model_shape
+from graphtap.ops.capture import bind_capture_tables
 from graphtap.ops.steer import bind_tables
 from graphtap.scheduler import SteerScheduler
-from graphtap.tables import SteerTables
+from graphtap.tables import CaptureTables, SteerTables
 
 logger = init_logger(__name__)
 
@@ -33,11 +36,19 @@ class GraphtapHookManager(HookManager):
             max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_steers=self.config.max_steers,
             max_vectors=self.config.max_vectors, hidden=mc.get_hidden_size(),
             max_len=mc.max_model_len, dtype=mc.dtype, device=torch.device(device))
+        self.capture_tables = CaptureTables.allocate(
+            max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_captures=self.config.max_captures,
+            num_sites=len(self.sites), rows=self.config.capture_rows, hidden=mc.get_hidden_size(),
+            max_len=mc.max_model_len, device=torch.device(device))
         self.scheduler = SteerScheduler(self.tables, self.sites, torch.device(device))
+        self.capture = CaptureScheduler(self.capture_tables, self.sites, mc.max_model_len,
+                                        mc.dtype, torch.device(device))
         bind_tables(self.tables)
+        bind_capture_tables(self.capture_tables)
         bind_residual_hook(self._residual_hook)
-        logger.info("graphtap: %d hook sites, steering tables %.1f MiB", len(self.sites),
-                    self.tables.nbytes() / 2**20)
+        logger.info("graphtap: %d hook sites, steering tables %.1f MiB, capture buffer %.1f MiB",
+                    len(self.sites), self.tables.nbytes() / 2**20,
+                    self.capture_tables.nbytes() / 2**20)
 
     @classmethod
     def frontend(cls, vllm_config):
@@ -49,21 +60,29 @@ class GraphtapHookManager(HookManager):
         site = self.sites.id_for_slot(layer, kind)
         if site is None:
             return
-        if residual is None:  # the first layer's input: the stream is hidden_states alone
-            torch.ops.graphtap.steer_resid_(hidden_states, None, positions, site)
-        else:
-            torch.ops.graphtap.steer_resid_(residual, hidden_states, positions, site)
+        # The stream is residual + hidden_states; in the first layer's input, hidden_states
+        # alone. Steer first, then capture what flows on.
+        x, other = (hidden_states, None) if residual is None else (residual, hidden_states)
+        torch.ops.graphtap.steer_resid_(x, other, positions, site)
+        torch.ops.graphtap.capture_resid_(x, other, site)
 
     def add_request(self, req_index, new_req_data) -> None:
         params = new_req_data.sampling_params
         hooks = params.hooks if params is not None else None
         self.scheduler.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, hooks)
+        self.capture.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, hooks)
 
     def remove_request(self, req_id) -> None:
         self.scheduler.remove_request(req_id)
+        self.capture.remove_request(req_id)
 
     def prepare_step(self, input_batch, dummy_run) -> None:
-        self.scheduler.prepare_step(input_batch, dummy_run)
+        self.scheduler.prepare_step(input_batch, dummy_run, self.capture.has_captures)
+        self.capture.prepare_step(input_batch, self.tables.tok_slot, dummy_run)
 
     def prepare_capture(self) -> None:
         self.scheduler.deactivate()
+        self.capture.prepare_step(None, self.tables.tok_slot, dummy_run=True)
+
+    def collect(self, input_batch, dummy_run):
+        return self.capture.collect(input_batch, dummy_run)

@@ -93,8 +93,10 @@ class SteerScheduler:
             self._all_inactive = True
             self._last_layout = None
 
-    def prepare_step(self, input_batch, dummy_run: bool) -> None:
-        if dummy_run or not self._keys or not any(map(self.has_hooks, input_batch.req_ids)):
+    def prepare_step(self, input_batch, dummy_run: bool, also_hooked=lambda req_id: False) -> None:
+        """Route token rows to request slots when any request in the batch has hooks
+        (steers here, or what `also_hooked` says, e.g. captures)."""
+        if dummy_run or not any(self.has_hooks(r) or also_hooked(r) for r in input_batch.req_ids):
             self.deactivate()
             return
         n = input_batch.num_tokens_after_padding

@@ -106,9 +106,25 @@ class Steer(BaseModel):
         return self
 
 
+class Capture(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    site: str
+    positions: Any = "all"
+    dtype: Literal["model", "float32"] = "model"
+
+    @field_validator("positions", mode="before")
+    @classmethod
+    def _positions(cls, p: Any):
+        return _parse_positions(p)
+
+
 class HookSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     steer: list[Steer] = Field(default_factory=list)
+    capture: list[Capture] = Field(default_factory=list)
+    save_to: str | None = None
+    """Directory for one safetensors file per request (written by the frontend)."""
 
 
 class ModelShape(BaseModel):
@@ -120,6 +136,7 @@ class ModelShape(BaseModel):
     configured_sites: set[str]
     max_steers: int
     max_vectors: int
+    max_captures: int = 8
 
 
 def _loc(loc: tuple) -> str:
@@ -168,18 +185,29 @@ def _bounds(s: Steer) -> tuple[float, float, float]:
     return 0.0, s.min, s.max
 
 
-def _positions(p, i: int, max_len: int):
+def _positions(p, field: str, max_len: int):
     if isinstance(p, str):
         return p
     if isinstance(p, PositionRange):
         if p.start >= max_len:
-            raise ValueError(f"hooks.steer[{i}].positions.start: {p.start} is beyond "
+            raise ValueError(f"{field}.positions.start: {p.start} is beyond "
                              f"max_model_len {max_len}")
         return {"start": p.start, "end": min(p.end, max_len)}
     bad = [x for x in p if x >= max_len]
     if bad:
-        raise ValueError(f"hooks.steer[{i}].positions: {bad[0]} is beyond max_model_len {max_len}")
+        raise ValueError(f"{field}.positions: {bad[0]} is beyond max_model_len {max_len}")
     return sorted(set(p))
+
+
+def _site(name: str, field: str, shape: ModelShape):
+    try:
+        site = parse_site(name, shape.num_layers)
+    except ValueError as e:
+        raise ValueError(f"{field}.site: {e}") from None
+    if site.name not in shape.configured_sites:
+        raise ValueError(f"{field}.site: {site.name} has no op in this engine; "
+                         f"add it to hook_config.sites")
+    return site
 
 
 def normalise(spec: HookSpec, shape: ModelShape) -> dict:
@@ -189,13 +217,7 @@ def normalise(spec: HookSpec, shape: ModelShape) -> dict:
                          f"{shape.max_steers} per request (hook_config.max_steers)")
     steers = []
     for i, s in enumerate(spec.steer):
-        try:
-            site = parse_site(s.site, shape.num_layers)
-        except ValueError as e:
-            raise ValueError(f"hooks.steer[{i}].site: {e}") from None
-        if site.name not in shape.configured_sites:
-            raise ValueError(f"hooks.steer[{i}].site: {site.name} has no op in this engine; "
-                             f"add it to hook_config.sites")
+        site = _site(s.site, f"hooks.steer[{i}]", shape)
         if len(s.vector) != shape.hidden_size:
             raise ValueError(f"hooks.steer[{i}].vector: length {len(s.vector)}, the model's "
                              f"hidden size is {shape.hidden_size}")
@@ -206,12 +228,26 @@ def normalise(spec: HookSpec, shape: ModelShape) -> dict:
         a, lo, hi = _bounds(s)
         steers.append({"layer": site.layer, "kind": site.kind, "vector": raw,
                        "key": _vector_key(raw), "a": a, "lo": lo, "hi": hi,
-                       "positions": _positions(s.positions, i, shape.max_model_len)})
+                       "positions": _positions(s.positions, f"hooks.steer[{i}]",
+                                               shape.max_model_len)})
     keys = {s["key"] for s in steers}
     if len(keys) > shape.max_vectors:
         raise ValueError(f"hooks.steer: {len(keys)} distinct vectors, more than the engine's "
                          f"resident table of {shape.max_vectors} (hook_config.max_vectors)")
-    return {"format": FORMAT, "steer": steers}
+    if len(spec.capture) > shape.max_captures:
+        raise ValueError(f"hooks.capture: {len(spec.capture)} captures, more than the engine's "
+                         f"{shape.max_captures} per request (hook_config.max_captures)")
+    captures, seen = [], set()
+    for i, c in enumerate(spec.capture):
+        site = _site(c.site, f"hooks.capture[{i}]", shape)
+        if site in seen:
+            raise ValueError(f"hooks.capture[{i}].site: {site.name} is captured twice; "
+                             f"merge the positions into one entry")
+        seen.add(site)
+        captures.append({"layer": site.layer, "kind": site.kind, "name": site.name,
+                         "dtype": c.dtype, "positions": _positions(
+                             c.positions, f"hooks.capture[{i}]", shape.max_model_len)})
+    return {"format": FORMAT, "steer": steers, "capture": captures, "save_to": spec.save_to}
 
 
 def steering_salt(normalised: dict) -> str | None:

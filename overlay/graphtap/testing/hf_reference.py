@@ -132,3 +132,53 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, hooks: dict |
 @contextmanager
 def _null():
     yield
+
+
+def hf_capture(model, prompt_ids: list[int], max_new_tokens: int, sites: list[str],
+               hooks: dict | None = None):
+    """Greedy generate and record the residual stream at `sites` for every position that
+    ran through the model (steering in `hooks` applied first, as graphtap does):
+    returns ({site: rows float32 [P, H]}, {site: positions}), rows in position order."""
+    steering = hf_steering(model, hooks, len(prompt_ids)) if hooks else _null()
+    with steering:  # registered first, so the capture hooks below see steered values
+        return _captured_generate(model, prompt_ids, max_new_tokens, sites)
+
+
+def _captured_generate(model, prompt_ids, max_new_tokens, sites):
+    layers = model.model.layers
+    tracker = _PositionTracker()
+    rows: dict[str, list[torch.Tensor]] = {s: [] for s in sites}
+    pos: dict[str, list[torch.Tensor]] = {s: [] for s in sites}
+    handles = [model.register_forward_pre_hook(tracker.pre_hook, with_kwargs=True)]
+
+    def record(name, stream):
+        rows[name].append(stream[0].detach().float().clone())
+        pos[name].append(tracker.current.clone())
+
+    stash: dict[int, torch.Tensor] = {}
+    for name in sites:
+        site = parse_site(name, len(layers))
+        mod = layers[site.layer]
+        if site.kind == "resid_pre":
+            def pre(module, args, kwargs, name=name):
+                record(name, args[0] if args else kwargs["hidden_states"])
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        elif site.kind == "resid_post":
+            def post(module, args, output, name=name):
+                record(name, output[0] if isinstance(output, tuple) else output)
+            handles.append(mod.register_forward_hook(post))
+        else:
+            def keep(module, args, kwargs, layer=site.layer):
+                stash[layer] = args[0] if args else kwargs["hidden_states"]
+            def attn(module, args, output, name=name, layer=site.layer):
+                out = output[0] if isinstance(output, tuple) else output
+                record(name, stash[layer] + out)
+            handles.append(mod.register_forward_pre_hook(keep, with_kwargs=True))
+            handles.append(mod.self_attn.register_forward_hook(attn))
+    try:
+        tokens, _ = hf_generate(model, prompt_ids, max_new_tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return ({s: torch.cat(rows[s]) for s in sites}, {s: torch.cat(pos[s]) for s in sites},
+            tokens)

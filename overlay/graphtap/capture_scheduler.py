@@ -1,0 +1,152 @@
+"""Capture: per-request entries, per-step buffer rows chosen on the device, and the step
+snapshot the courier carries home.
+
+Every captured row is labelled on the device with (request slot, site, position) as it is
+written; the host maps slots to request ids with the step's own batch, so attribution
+never comes from expected lengths (EasySteer's bug). Position rules are evaluated from
+each token's actual position, so chunked prefill and recomputation after preemption
+capture what really ran; the frontend orders rows by position and keeps the last row per
+position.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from graphtap.scheduler import position_bitmap
+from graphtap.sites import SiteTable
+from graphtap.tables import CaptureTables
+
+OVERFLOW_KEY = "graphtap:overflow"
+
+
+class CaptureSnapshot:
+    """One step's captures: cloned on the main stream, copied to the host on the output
+    copy stream, split per request once the copy is done (HookManager.collect)."""
+
+    def __init__(self, rows, meta, count, slot_to_req, dtypes, site_names, capacity):
+        self.rows, self.meta, self.count = rows, meta, count
+        self.slot_to_req, self.dtypes, self.site_names = slot_to_req, dtypes, site_names
+        self.capacity = capacity
+
+    def to_cpu_nonblocking(self) -> None:
+        self.rows = self.rows.to("cpu", non_blocking=True)
+        self.meta = self.meta.to("cpu", non_blocking=True)
+        self.count = self.count.to("cpu", non_blocking=True)
+
+    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+        wanted = int(self.count[0])
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        if wanted > self.capacity:  # rows were lost: say so for every capturing request
+            flag = torch.tensor([wanted, self.capacity], dtype=torch.int64)
+            return {req: {OVERFLOW_KEY: flag} for req in self.slot_to_req.values()}
+        used = min(wanted, self.rows.shape[0])
+        meta = self.meta[:used].numpy()
+        order = np.lexsort((meta[:, 2], meta[:, 1], meta[:, 0]))  # slot, site, position
+        meta = meta[order]
+        rows = self.rows[:used][torch.from_numpy(order)]
+        keys = meta[:, 0] * 1_000_003 + meta[:, 1]
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if used else []
+        for k, start in enumerate(starts):
+            end = starts[k + 1] if k + 1 < len(starts) else used
+            slot, site = int(meta[start, 0]), int(meta[start, 1])
+            req = self.slot_to_req.get(slot)
+            if req is None:
+                continue
+            name = self.site_names[site]
+            dtype = self.dtypes.get((slot, site), torch.float32)
+            out.setdefault(req, {})[name] = rows[start:end].to(dtype)
+            out[req][f"{name}@positions"] = torch.from_numpy(meta[start:end, 2].copy())
+        return out
+
+
+class CaptureScheduler:
+    def __init__(self, tables: CaptureTables, sites: SiteTable, max_len: int,
+                 model_dtype: torch.dtype, device: torch.device):
+        self.t = tables
+        self.sites = sites
+        self.max_len = max_len
+        self.model_dtype = model_dtype
+        self.device = device
+        self._entries: dict[str, int] = {}  # req_id -> number of capture entries
+        self._dtypes: dict[int, dict[int, torch.dtype]] = {}  # slot -> site -> dtype
+        self._slot_of: dict[str, int] = {}
+        self._step: tuple | None = None  # (slot -> req_id, row bound) of the current step
+        self._idle = True
+
+    def add_request(self, slot: int, req_id: str, prompt_len: int, hooks: dict | None) -> None:
+        self.remove_request(req_id)
+        c, words = self.t.cap_site.shape[1], self.t.cap_pos.shape[2]
+        site = np.full(c, -1, np.int32)
+        pos = np.zeros((c, words), np.int32)
+        dtypes = {}
+        entries = (hooks or {}).get("capture", [])
+        for i, cap in enumerate(entries):
+            sid = self.sites.id_for_slot(cap["layer"], cap["kind"])
+            if sid is None:
+                raise RuntimeError(f"graphtap: site {cap['name']} is not configured")
+            site[i] = sid
+            pos[i] = position_bitmap(cap["positions"], prompt_len, self.max_len, words)
+            dtypes[sid] = self.model_dtype if cap["dtype"] == "model" else torch.float32
+        self.t.cap_site[slot].copy_(torch.from_numpy(site))
+        self.t.cap_pos[slot].copy_(torch.from_numpy(pos))
+        if entries:
+            self._entries[req_id] = len(entries)
+            self._dtypes[slot] = dtypes
+            self._slot_of[req_id] = slot
+
+    def remove_request(self, req_id: str) -> None:
+        if self._entries.pop(req_id, None) is not None:
+            self._dtypes.pop(self._slot_of.pop(req_id), None)
+
+    def has_captures(self, req_id: str) -> bool:
+        return req_id in self._entries
+
+    def prepare_step(self, input_batch, tok_slot: torch.Tensor, dummy_run: bool) -> None:
+        """Choose buffer rows for this step, on the device. tok_slot is already routed."""
+        t = self.t
+        capturing = [] if dummy_run else [
+            (i, r) for i, r in enumerate(input_batch.req_ids) if r in self._entries]
+        if not capturing:
+            if not self._idle:
+                t.cap_dst.fill_(t.rows)
+                self._idle = True
+            self._step = None
+            return
+        n = input_batch.num_tokens_after_padding
+        num_sites = t.cap_dst.shape[0]
+        slot = tok_slot[:n]
+        pos = input_batch.positions[:n].long().clamp(0, self.max_len - 1)
+        tokens = torch.arange(n, device=slot.device)
+        want = torch.zeros((num_sites, n), dtype=torch.int32, device=slot.device)
+        for c in range(t.cap_site.shape[1]):
+            site = t.cap_site[slot, c]
+            word = t.cap_pos[slot, c].gather(1, (pos >> 5).unsqueeze(1)).squeeze(1)
+            on = (site >= 0) & (((word >> (pos & 31)) & 1) == 1)
+            want.index_put_((site.long().clamp(min=0), tokens), on.int(), accumulate=True)
+        flat = (want > 0).flatten()
+        index = torch.cumsum(flat, 0) - 1
+        dst = torch.where(flat & (index < t.rows), index, t.rows)
+        t.cap_dst[:, :n].copy_(dst.view(num_sites, n))
+        t.count.copy_(flat.sum().reshape(1))
+        sites = torch.arange(num_sites, device=slot.device).repeat_interleave(n)
+        labels = torch.stack((slot.repeat(num_sites), sites, pos.repeat(num_sites)), dim=1)
+        t.meta[:, 0].fill_(-1)
+        t.meta.index_copy_(0, dst, labels)
+        self._idle = False
+        # Host-side bound on rows used (no sync): every scheduled token at every entry.
+        bound = sum(int(input_batch.num_scheduled_tokens[i]) * self._entries[r]
+                    for i, r in capturing)
+        slot_to_req = {self._slot_of[r]: r for _, r in capturing}
+        self._step = (slot_to_req, min(bound, t.rows))
+
+    def collect(self, input_batch, dummy_run: bool) -> CaptureSnapshot | None:
+        if dummy_run or self._step is None:
+            return None
+        slot_to_req, bound = self._step
+        t = self.t
+        dtypes = {(s, site): d for s in slot_to_req for site, d in self._dtypes[s].items()}
+        names = {i: s.name for i, s in enumerate(self.sites.sites)}
+        # Clones on the main stream: the next step reuses the buffer (async scheduling).
+        return CaptureSnapshot(t.buf[:bound].clone(), t.meta[:bound].clone(), t.count.clone(),
+                               slot_to_req, dtypes, names, t.rows)

@@ -1,0 +1,40 @@
+"""`graphtap::capture_resid_`: copy the residual stream's selected rows into the capture
+buffer, at rows the scheduler chose on the device before the step.
+
+Declared as mutating `x` (the residual half the model uses next) so that dead-code
+elimination keeps it; it only reads x. Rows not captured go to the buffer's trash row, so
+the op has no data-dependent shape and no host sync: it is safe inside CUDA graphs. Plain
+torch ops (index_copy_) on CPU and GPU alike.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from graphtap.tables import CaptureTables
+
+_tables: CaptureTables | None = None
+
+
+def bind_capture_tables(tables: CaptureTables | None) -> None:
+    global _tables
+    _tables = tables
+
+
+def capture_reference(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | None,
+                      site: int) -> None:
+    n = x.shape[0]
+    stream = x.float() if other is None else x.float() + other.float()
+    t.buf.index_copy_(0, t.cap_dst[site, :n], stream)
+
+
+@torch.library.custom_op("graphtap::capture_resid_", mutates_args=("x",))
+def capture_resid_(x: torch.Tensor, other: Optional[torch.Tensor], site: int) -> None:
+    if _tables is not None:
+        capture_reference(_tables, x, other, site)
+
+
+@capture_resid_.register_fake
+def _(x, other, site) -> None:
+    return None

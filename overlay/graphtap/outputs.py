@@ -1,0 +1,25 @@
+"""What a request gets back in `RequestOutput.hooks`."""
+from __future__ import annotations
+
+import torch
+
+
+class HookOutputs(dict):
+    """site name -> tensor with one row per captured position, rows in position order.
+
+    `positions[site]` holds those positions. Generated positions cover tokens that ran
+    through the model: the last sampled token never does, so it has no row. `error` is
+    set (and the dict left empty) when the engine could not keep every row, for example
+    when a step needed more rows than hook_config.capture_rows: rows are never dropped
+    silently.
+    """
+
+    def __init__(self, tensors=None, positions=None, error: str | None = None):
+        super().__init__(tensors or {})
+        self.positions: dict[str, torch.Tensor] = dict(positions or {})
+        self.error = error
+
+    def __repr__(self) -> str:
+        if self.error:
+            return f"HookOutputs(error={self.error!r})"
+        return "HookOutputs(" + ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.items()) + ")"

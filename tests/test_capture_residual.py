@@ -1,0 +1,156 @@
+"""Residual-stream capture returned per request (tiny Llama, eager; one engine).
+
+HF transformers with module hooks is the reference; every row is labelled with its
+position and compared position by position."""
+import numpy as np
+import pytest
+import torch
+
+from graphtap.testing.engines import _hf_model, make_llm, shutdown, tokenize
+from graphtap.testing.hf_reference import hf_capture
+from steer_parity import vector
+
+SITES = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_mid", "blocks.3.hook_resid_post"]
+LONG = ("Interpretability engineers read the residual stream of a transformer. " * 6).strip()
+TOL = 1e-4
+
+
+def params(hooks=None, max_tokens=8, **kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          hooks=hooks, **kw)
+
+
+def capture(sites=SITES, positions="all", dtype="float32", **extra):
+    return {"capture": [{"site": s, "positions": positions, "dtype": dtype} for s in sites],
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path):
+    # Small batches: a long prompt is split by chunked prefill.
+    llm = make_llm(llama_path, hook_manager="graphtap", block_size=32, enable_prefix_caching=True,
+                   max_num_batched_tokens=48, hook_config={"capture_rows": 512})
+    yield llm
+    shutdown(llm)
+
+
+def generate(llm, ids_list, hooks_list, **kw):
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in ids_list],
+                        [params(h, **kw) for h in hooks_list], use_tqdm=False)
+    return outs
+
+
+def assert_matches_hf(out, hf, ids, sites, steer=None, max_tokens=8):
+    want, wpos, tokens = hf_capture(hf, ids, max_tokens, sites, steer)
+    assert list(out.outputs[0].token_ids) == tokens
+    assert out.hooks.error is None
+    for s in sites:
+        assert out.hooks.positions[s].tolist() == wpos[s].tolist(), s
+        err = (out.hooks[s].float() - want[s]).abs().max().item()
+        assert err <= TOL, (s, err)
+
+
+def test_every_residual_site_matches_hf(engine, llama_path):
+    ids = tokenize(llama_path, ["The quick brown fox jumps over"])[0]
+    sites = [f"blocks.{l}.hook_resid_{k}" for l in range(4) for k in ("pre", "mid", "post")][:8]
+    out = generate(engine, [ids], [capture(sites)])[0]
+    assert_matches_hf(out, _hf_model(str(llama_path)), ids, sites)
+    assert len(out.hooks.positions[sites[0]]) == len(ids) + 8 - 1  # the last token never runs
+
+
+def test_capture_sees_steering_and_mixes_in_a_batch(engine, llama_path):
+    hf = _hf_model(str(llama_path))
+    ids = tokenize(llama_path, ["Steering vectors shift the hidden state", "Numbers like 12, 40",
+                                "Prompt injection asks a model to ignore"])
+    steer = {"steer": [{"site": "blocks.1.hook_resid_mid", "op": "add", "scale": 4.0,
+                        "vector": vector(256, 3)}]}
+    specs = [capture(**steer), None, capture(positions="generated")]
+    outs = generate(engine, ids, specs)
+    assert_matches_hf(outs[0], hf, ids[0], SITES, steer)
+    assert outs[1].hooks is None
+    want, wpos, _ = hf_capture(hf, ids[2], 8, SITES)
+    for s in SITES:
+        gen = wpos[s] >= len(ids[2])
+        assert outs[2].hooks.positions[s].tolist() == wpos[s][gen].tolist()
+        assert (outs[2].hooks[s] - want[s][gen]).abs().max() <= TOL
+
+
+def test_dtype_model_and_position_selectors(engine, llama_path):
+    ids = tokenize(llama_path, ["The quick brown fox jumps over"])[0]
+    spec = {"capture": [{"site": "blocks.2.hook_resid_post", "positions": "last_prompt"},
+                        {"site": "blocks.1.hook_resid_pre", "positions": [0, 3, 9]},
+                        {"site": "blocks.0.hook_resid_mid", "positions": {"start": 2, "end": 5}}]}
+    h = generate(engine, [ids], [spec])[0].hooks
+    assert h.positions["blocks.2.hook_resid_post"].tolist() == [len(ids) - 1]
+    assert h.positions["blocks.1.hook_resid_pre"].tolist() == [0, 3, 9]
+    assert h.positions["blocks.0.hook_resid_mid"].tolist() == [2, 3, 4]
+    assert h["blocks.2.hook_resid_post"].dtype == torch.float32  # the tiny model is fp32
+
+
+def test_chunked_prefill_and_prefix_cache_are_complete(engine, llama_path):
+    ids = tokenize(llama_path, [LONG])[0]
+    assert len(ids) > 48  # longer than a step's token budget: prefill in chunks
+    engine.reset_prefix_cache()
+    cold = generate(engine, [ids], [capture()])[0]
+    assert_matches_hf(cold, _hf_model(str(llama_path)), ids, SITES)
+    warm_plain = generate(engine, [ids], [None])[0]  # fills and reads the cache
+    assert warm_plain.num_cached_tokens
+    again = generate(engine, [ids], [capture()])[0]  # would hit the cache: must recompute
+    for s in SITES:
+        assert again.hooks.positions[s].tolist() == cold.hooks.positions[s].tolist()
+        assert torch.equal(again.hooks[s], cold.hooks[s])
+
+
+def test_save_to_writes_one_safetensors_file_per_request(engine, llama_path, tmp_path):
+    from safetensors.torch import load_file
+
+    ids = tokenize(llama_path, ["Numbers like 12, 40", "The quick brown fox"])
+    outs = generate(engine, ids, [capture(save_to=str(tmp_path))] * 2)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) == 2
+    saved = [load_file(f) for f in files]
+    by_len = {len(d[f"{SITES[0]}.positions"]): d for d in saved}
+    for out in outs:
+        d = by_len[len(out.hooks.positions[SITES[0]])]
+        assert torch.equal(d[SITES[1]], out.hooks[SITES[1]])
+
+
+def test_soak_200_requests_attributed_exactly(engine, llama_path):
+    rng = np.random.default_rng(5)
+    prompts = tokenize(llama_path, ["The quick brown fox", "Steering vectors shift",
+                                    "Prompt injection asks a model", "Numbers like 12, 40",
+                                    "Hallucination probes are linear"])
+    steers = [None, {"steer": [{"site": "blocks.2.hook_resid_pre", "op": "add", "scale": 2.0,
+                                "vector": vector(256, 9)}]},
+              {"steer": [{"site": "blocks.1.hook_resid_post", "op": "ablate",
+                          "vector": vector(256, 10)}]}]
+    caps = [capture(), capture(["blocks.3.hook_resid_mid"], positions="prompt"), None,
+            capture(["blocks.2.hook_resid_post"], positions="generated", dtype="model")]
+    combos = [(p, s, c) for p in range(5) for s in range(3) for c in range(4)]
+    picks = [combos[i] for i in rng.integers(0, len(combos), 200)]
+
+    def spec(s, c):
+        return {**(steers[s] or {}), **(caps[c] or {})} or None
+
+    outs = generate(engine, [prompts[p] for p, _, _ in picks],
+                    [spec(s, c) for _, s, c in picks])
+    solo = {}
+    missing = misattributed = 0
+    for (p, s, c), out in zip(picks, outs):
+        key = (p, s, c)
+        if key not in solo:
+            solo[key] = generate(engine, [prompts[p]], [spec(s, c)])[0]
+        ref = solo[key]
+        assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
+        if caps[c] is None:
+            assert out.hooks is None
+            continue
+        for site in ref.hooks:
+            got_pos = out.hooks.positions.get(site)
+            if got_pos is None or got_pos.tolist() != ref.hooks.positions[site].tolist():
+                missing += 1
+            elif (out.hooks[site].float() - ref.hooks[site].float()).abs().max() > TOL:
+                misattributed += 1
+    assert (missing, misattributed) == (0, 0)
