@@ -197,7 +197,7 @@ def test_frontend_salts_and_admits_within_the_vector_table():
     ({"site": "blocks.1.hook_resid_pre", "dtype": "int8"}, "hooks.capture[0].dtype", "'model'"),
     ({"site": "blocks.1.hook_resid_pre", "positions": "soon"}, "hooks.capture[0].positions",
      "not one of"),
-    ({"site": "blocks.1.hook_resid_pre", "heads": [1]}, "hooks.capture[0].heads", "Extra inputs"),
+    ({"site": "blocks.1.hook_resid_pre", "heads": [1]}, "hooks.capture[0].heads", "has no heads"),
 ])
 def test_invalid_captures_name_the_field(entry, field, words):
     with pytest.raises(ValueError) as e:

@@ -24,9 +24,9 @@ class CaptureSnapshot:
     """One step's captures: cloned on the main stream, copied to the host on the output
     copy stream, split per request once the copy is done (HookManager.collect)."""
 
-    def __init__(self, rows, meta, count, slot_to_req, dtypes, site_names, capacity):
+    def __init__(self, rows, meta, count, slot_to_req, formats, site_names, capacity):
         self.rows, self.meta, self.count = rows, meta, count
-        self.slot_to_req, self.dtypes, self.site_names = slot_to_req, dtypes, site_names
+        self.slot_to_req, self.formats, self.site_names = slot_to_req, formats, site_names
         self.capacity = capacity
 
     def to_cpu_nonblocking(self) -> None:
@@ -54,22 +54,27 @@ class CaptureSnapshot:
             if req is None:
                 continue
             name = self.site_names[site]
-            dtype = self.dtypes.get((slot, site), torch.float32)
-            out.setdefault(req, {})[name] = rows[start:end].to(dtype)
+            dtype, width, heads, head_dim = self.formats[(slot, site)]
+            data = rows[start:end, :width]
+            if head_dim:  # attention sites: [rows, heads, head_dim], chosen heads only
+                data = data.reshape(end - start, -1, head_dim)
+                data = data[:, heads] if heads is not None else data
+            out.setdefault(req, {})[name] = data.to(dtype).contiguous()
             out[req][f"{name}@positions"] = torch.from_numpy(meta[start:end, 2].copy())
         return out
 
 
 class CaptureScheduler:
     def __init__(self, tables: CaptureTables, sites: SiteTable, max_len: int,
-                 model_dtype: torch.dtype, device: torch.device):
+                 model_dtype: torch.dtype, device: torch.device, widths: dict[str, tuple]):
         self.t = tables
         self.sites = sites
+        self.widths = widths  # kind -> (row width, head_dim or 0)
         self.max_len = max_len
         self.model_dtype = model_dtype
         self.device = device
         self._entries: dict[str, int] = {}  # req_id -> number of capture entries
-        self._dtypes: dict[int, dict[int, torch.dtype]] = {}  # slot -> site -> dtype
+        self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
         self._slot_of: dict[str, int] = {}
         self._step: tuple | None = None  # (slot -> req_id, row bound) of the current step
         self._idle = True
@@ -79,7 +84,7 @@ class CaptureScheduler:
         c, words = self.t.cap_site.shape[1], self.t.cap_pos.shape[2]
         site = np.full(c, -1, np.int32)
         pos = np.zeros((c, words), np.int32)
-        dtypes = {}
+        formats = {}
         entries = (hooks or {}).get("capture", [])
         for i, cap in enumerate(entries):
             sid = self.sites.id_for_slot(cap["layer"], cap["kind"])
@@ -87,17 +92,19 @@ class CaptureScheduler:
                 raise RuntimeError(f"graphtap: site {cap['name']} is not configured")
             site[i] = sid
             pos[i] = position_bitmap(cap["positions"], prompt_len, self.max_len, words)
-            dtypes[sid] = self.model_dtype if cap["dtype"] == "model" else torch.float32
+            width, head_dim = self.widths[cap["kind"]]
+            dtype = self.model_dtype if cap["dtype"] == "model" else torch.float32
+            formats[sid] = (dtype, width, cap.get("heads"), head_dim)
         self.t.cap_site[slot].copy_(torch.from_numpy(site))
         self.t.cap_pos[slot].copy_(torch.from_numpy(pos))
         if entries:
             self._entries[req_id] = len(entries)
-            self._dtypes[slot] = dtypes
+            self._formats[slot] = formats
             self._slot_of[req_id] = slot
 
     def remove_request(self, req_id: str) -> None:
         if self._entries.pop(req_id, None) is not None:
-            self._dtypes.pop(self._slot_of.pop(req_id), None)
+            self._formats.pop(self._slot_of.pop(req_id), None)
 
     def has_captures(self, req_id: str) -> bool:
         return req_id in self._entries
@@ -145,8 +152,8 @@ class CaptureScheduler:
             return None
         slot_to_req, bound = self._step
         t = self.t
-        dtypes = {(s, site): d for s in slot_to_req for site, d in self._dtypes[s].items()}
+        formats = {(s, site): f for s in slot_to_req for site, f in self._formats[s].items()}
         names = {i: s.name for i, s in enumerate(self.sites.sites)}
         # Clones on the main stream: the next step reuses the buffer (async scheduling).
         return CaptureSnapshot(t.buf[:bound].clone(), t.meta[:bound].clone(), t.count.clone(),
-                               slot_to_req, dtypes, names, t.rows)
+                               slot_to_req, formats, names, t.rows)

@@ -32,7 +32,9 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
         num_layers=num_layers, hidden_size=mc.get_hidden_size(), max_model_len=mc.max_model_len,
         configured_sites={s.name for s in config.site_table(num_layers).sites},
         max_steers=config.max_steers, max_vectors=config.max_vectors,
-        max_captures=config.max_captures)
+        max_captures=config.max_captures,
+        num_heads=mc.get_num_attention_heads(vllm_config.parallel_config),
+        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config))
 
 
 class GraphtapFrontend(HookFrontend):

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import torch
 from vllm.logger import init_logger
-from vllm.model_executor.layers.hook_slots import bind_residual_hook
+from vllm.model_executor.layers.hook_slots import (
+    bind_attention_hook,
+    bind_residual_hook,
+    hook_layer_index,
+)
 from vllm.v1.worker.gpu.hooks import HookManager, hook_config
 
 import graphtap.ops.capture  # noqa: F401  registers graphtap::capture_resid_
@@ -19,6 +23,7 @@ from graphtap.frontend import GraphtapFrontend, model_shape
 from graphtap.ops.capture import bind_capture_tables
 from graphtap.ops.steer import bind_tables
 from graphtap.scheduler import SteerScheduler
+from graphtap.sites import RESID_KINDS
 from graphtap.tables import CaptureTables, SteerTables
 
 logger = init_logger(__name__)
@@ -36,16 +41,25 @@ class GraphtapHookManager(HookManager):
             max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_steers=self.config.max_steers,
             max_vectors=self.config.max_vectors, hidden=mc.get_hidden_size(),
             max_len=mc.max_model_len, dtype=mc.dtype, device=torch.device(device))
+        pc = vllm_config.parallel_config
+        head_dim = mc.get_head_size()
+        q_width = mc.get_num_attention_heads(pc) * head_dim
+        kv_width = mc.get_num_kv_heads(pc) * head_dim
+        widths = {**{k: (mc.get_hidden_size(), 0) for k in RESID_KINDS},
+                  "attn_q": (q_width, head_dim), "attn_z": (q_width, head_dim),
+                  "attn_k": (kv_width, head_dim), "attn_v": (kv_width, head_dim)}
         self.capture_tables = CaptureTables.allocate(
             max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_captures=self.config.max_captures,
-            num_sites=len(self.sites), rows=self.config.capture_rows, hidden=mc.get_hidden_size(),
-            max_len=mc.max_model_len, device=torch.device(device))
+            num_sites=len(self.sites), rows=self.config.capture_rows,
+            hidden=max(w for w, _ in widths.values()), max_len=mc.max_model_len,
+            device=torch.device(device))
         self.scheduler = SteerScheduler(self.tables, self.sites, torch.device(device))
         self.capture = CaptureScheduler(self.capture_tables, self.sites, mc.max_model_len,
-                                        mc.dtype, torch.device(device))
+                                        mc.dtype, torch.device(device), widths)
         bind_tables(self.tables)
         bind_capture_tables(self.capture_tables)
         bind_residual_hook(self._residual_hook)
+        bind_attention_hook(self._attention_hook)
         logger.info("graphtap: %d hook sites, steering tables %.1f MiB, capture buffer %.1f MiB",
                     len(self.sites), self.tables.nbytes() / 2**20,
                     self.capture_tables.nbytes() / 2**20)
@@ -65,6 +79,19 @@ class GraphtapHookManager(HookManager):
         x, other = (hidden_states, None) if residual is None else (residual, hidden_states)
         torch.ops.graphtap.steer_resid_(x, other, positions, site)
         torch.ops.graphtap.capture_resid_(x, other, site)
+
+    def _attention_hook(self, layer_name, kind, sink, *tensors) -> None:
+        # Trace time, like _residual_hook: ops only at configured attention sites.
+        layer = hook_layer_index(layer_name)
+        if kind == "z":
+            site = self.sites.id_for_slot(layer, "attn_z")
+            if site is not None:
+                torch.ops.graphtap.capture_resid_(sink, None, site)
+            return
+        for name, tensor in zip(("attn_q", "attn_k", "attn_v"), tensors):
+            site = self.sites.id_for_slot(layer, name)
+            if site is not None and tensor is not None:
+                torch.ops.graphtap.capture_into_(sink, tensor, site)
 
     def add_request(self, req_index, new_req_data) -> None:
         params = new_req_data.sampling_params

@@ -9,7 +9,14 @@ import re
 from dataclasses import dataclass
 
 RESID_KINDS = ("resid_pre", "resid_mid", "resid_post")
-_NAME = re.compile(r"^blocks\.(\d+|\*)\.hook_(resid_pre|resid_mid|resid_post)$")
+ATTN_KINDS = ("attn_q", "attn_k", "attn_v", "attn_z")
+KINDS = RESID_KINDS + ATTN_KINDS
+_NAME = re.compile(r"^blocks\.(\d+|\*)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|"
+                   r"attn\.hook_q|attn\.hook_k|attn\.hook_v|attn\.hook_z|attn\.hook_pattern)$")
+
+
+def _kind(tail: str) -> str:
+    return tail.replace("attn.hook_", "attn_").replace("hook_", "")
 
 
 @dataclass(frozen=True)
@@ -19,7 +26,13 @@ class Site:
 
     @property
     def name(self) -> str:
+        if self.kind.startswith("attn_"):
+            return f"blocks.{self.layer}.attn.hook_{self.kind[5:]}"
         return f"blocks.{self.layer}.hook_{self.kind}"
+
+    @property
+    def is_residual(self) -> bool:
+        return self.kind in RESID_KINDS
 
 
 def parse_site(name: str, num_layers: int) -> Site:
@@ -27,12 +40,16 @@ def parse_site(name: str, num_layers: int) -> Site:
     m = _NAME.match(name) if isinstance(name, str) else None
     if not m or m.group(1) == "*":
         raise ValueError(f"unknown site {name!r}: expected blocks.<layer>.hook_resid_pre|"
-                         f"hook_resid_mid|hook_resid_post")
+                         f"hook_resid_mid|hook_resid_post or blocks.<layer>.attn.hook_q|"
+                         f"hook_k|hook_v|hook_z")
+    if m.group(2) == "attn.hook_pattern":
+        raise ValueError(f"{name}: attention patterns are not implemented yet; capture "
+                         f"attn.hook_q and attn.hook_k instead")
     layer = int(m.group(1))
     if layer >= num_layers:
         raise ValueError(f"layer {layer} is out of range: the model has {num_layers} layers "
                          f"(0..{num_layers - 1})")
-    return Site(layer, m.group(2))
+    return Site(layer, _kind(m.group(2)))
 
 
 def expand_patterns(patterns: list[str], num_layers: int) -> list[Site]:
@@ -44,8 +61,8 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[Site]:
             raise ValueError(f"hook_config.sites: unknown site pattern {pattern!r}")
         layers = range(num_layers) if m.group(1) == "*" else [int(m.group(1))]
         for layer in layers:
-            sites.add(parse_site(f"blocks.{layer}.hook_{m.group(2)}", num_layers))
-    return sorted(sites, key=lambda s: (s.layer, RESID_KINDS.index(s.kind)))
+            sites.add(parse_site(f"blocks.{layer}.{m.group(2)}", num_layers))
+    return sorted(sites, key=lambda s: (s.layer, KINDS.index(s.kind)))
 
 
 class SiteTable:

@@ -112,6 +112,8 @@ class Capture(BaseModel):
     site: str
     positions: Any = "all"
     dtype: Literal["model", "float32"] = "model"
+    heads: list[int] | None = Field(None, min_length=1)
+    """Attention sites only: which heads (q and z: query heads; k and v: KV heads)."""
 
     @field_validator("positions", mode="before")
     @classmethod
@@ -137,6 +139,8 @@ class ModelShape(BaseModel):
     max_steers: int
     max_vectors: int
     max_captures: int = 8
+    num_heads: int = 0
+    num_kv_heads: int = 0
 
 
 def _loc(loc: tuple) -> str:
@@ -210,6 +214,19 @@ def _site(name: str, field: str, shape: ModelShape):
     return site
 
 
+def _heads(heads, site, i: int, shape: ModelShape):
+    if heads is None:
+        return None
+    if site.is_residual:
+        raise ValueError(f"hooks.capture[{i}].heads: {site.name} has no heads")
+    count = shape.num_kv_heads if site.kind in ("attn_k", "attn_v") else shape.num_heads
+    bad = [h for h in heads if not 0 <= h < count]
+    if bad:
+        raise ValueError(f"hooks.capture[{i}].heads: head {bad[0]} is out of range: "
+                         f"{site.name} has {count} heads (0..{count - 1})")
+    return sorted(set(heads))
+
+
 def normalise(spec: HookSpec, shape: ModelShape) -> dict:
     """Check against the model and engine; return the worker's data-only form."""
     if len(spec.steer) > shape.max_steers:
@@ -218,6 +235,9 @@ def normalise(spec: HookSpec, shape: ModelShape) -> dict:
     steers = []
     for i, s in enumerate(spec.steer):
         site = _site(s.site, f"hooks.steer[{i}]", shape)
+        if not site.is_residual:
+            raise ValueError(f"hooks.steer[{i}].site: steering acts on the residual stream "
+                             f"(hook_resid_pre|mid|post); {site.name} can be captured only")
         if len(s.vector) != shape.hidden_size:
             raise ValueError(f"hooks.steer[{i}].vector: length {len(s.vector)}, the model's "
                              f"hidden size is {shape.hidden_size}")
@@ -245,8 +265,9 @@ def normalise(spec: HookSpec, shape: ModelShape) -> dict:
                              f"merge the positions into one entry")
         seen.add(site)
         captures.append({"layer": site.layer, "kind": site.kind, "name": site.name,
-                         "dtype": c.dtype, "positions": _positions(
-                             c.positions, f"hooks.capture[{i}]", shape.max_model_len)})
+                         "dtype": c.dtype, "heads": _heads(c.heads, site, i, shape),
+                         "positions": _positions(c.positions, f"hooks.capture[{i}]",
+                                                 shape.max_model_len)})
     return {"format": FORMAT, "steer": steers, "capture": captures, "save_to": spec.save_to}
 
 

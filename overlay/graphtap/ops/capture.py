@@ -24,9 +24,12 @@ def bind_capture_tables(tables: CaptureTables | None) -> None:
 
 def capture_reference(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | None,
                       site: int) -> None:
+    """Rows of x (+ other), flattened per token ([tokens, heads, head_dim] included)."""
     n = x.shape[0]
-    stream = x.float() if other is None else x.float() + other.float()
-    t.buf.index_copy_(0, t.cap_dst[site, :n], stream)
+    stream = x.reshape(n, -1).float()
+    if other is not None:
+        stream = stream + other.reshape(n, -1).float()
+    t.buf.narrow(1, 0, stream.shape[1]).index_copy_(0, t.cap_dst[site, :n], stream)
 
 
 @torch.library.custom_op("graphtap::capture_resid_", mutates_args=("x",))
@@ -37,4 +40,17 @@ def capture_resid_(x: torch.Tensor, other: Optional[torch.Tensor], site: int) ->
 
 @capture_resid_.register_fake
 def _(x, other, site) -> None:
+    return None
+
+
+@torch.library.custom_op("graphtap::capture_into_", mutates_args=("sink",))
+def capture_into_(sink: torch.Tensor, x: torch.Tensor, site: int) -> None:
+    """Capture x (q, k or v before attention); `sink` is the attention output buffer,
+    declared mutated (and left alone) so that the op survives dead-code elimination."""
+    if _tables is not None:
+        capture_reference(_tables, x, None, site)
+
+
+@capture_into_.register_fake
+def _(sink, x, site) -> None:
     return None

@@ -182,3 +182,49 @@ def _captured_generate(model, prompt_ids, max_new_tokens, sites):
             h.remove()
     return ({s: torch.cat(rows[s]) for s in sites}, {s: torch.cat(pos[s]) for s in sites},
             tokens)
+
+
+def hf_capture_attention(model, prompt_ids: list[int], max_new_tokens: int, layer: int):
+    """q and k after RoPE, v, and z (per-head input of o_proj) of one layer, for every
+    position that ran: ({"q"|"k"|"v"|"z": [P, heads, head_dim]}, positions)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = model.model.layers[layer].self_attn
+    d = attn.head_dim
+    tracker = _PositionTracker()
+    got: dict[str, list[torch.Tensor]] = {k: [] for k in "qkvz"}
+    positions: list[torch.Tensor] = []
+    stash: dict[str, torch.Tensor] = {}
+
+    def pre(module, args, kwargs):
+        stash["cos"], stash["sin"] = kwargs["position_embeddings"]
+
+    def proj(name):
+        def hook(module, args, output):
+            stash[name] = output[0].float().reshape(output.shape[1], -1, d)
+        return hook
+
+    def o_in(module, args):
+        got["z"].append(args[0][0].float().reshape(args[0].shape[1], -1, d).clone())
+
+    def done(module, args, output):
+        q, k = stash["q"].transpose(0, 1)[None], stash["k"].transpose(0, 1)[None]
+        q, k = apply_rotary_pos_emb(q, k, stash["cos"].float(), stash["sin"].float())
+        got["q"].append(q[0].transpose(0, 1).clone())
+        got["k"].append(k[0].transpose(0, 1).clone())
+        got["v"].append(stash["v"].clone())
+        positions.append(tracker.current.clone())
+
+    handles = [model.register_forward_pre_hook(tracker.pre_hook, with_kwargs=True),
+               attn.register_forward_pre_hook(pre, with_kwargs=True),
+               attn.q_proj.register_forward_hook(proj("q")),
+               attn.k_proj.register_forward_hook(proj("k")),
+               attn.v_proj.register_forward_hook(proj("v")),
+               attn.o_proj.register_forward_pre_hook(o_in),
+               attn.register_forward_hook(done)]
+    try:
+        hf_generate(model, prompt_ids, max_new_tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: torch.cat(v) for k, v in got.items()}, torch.cat(positions)
