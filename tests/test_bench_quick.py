@@ -11,12 +11,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_tpo
 
 @pytest.mark.parametrize("variant", ["stock", "graphtap"])
 def test_bench_tpot_quick(variant, tmp_path, llama_path):
+    modes = ["--modes", "idle,steer,hs,qk,mixed"] if variant == "graphtap" else []
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--variant", variant,
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                          "--out", str(tmp_path), *modes],
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / f"tpot-tiny-{variant}-quick.json").read_text())
     modes = {r["mode"] for r in data["runs"]}
-    assert modes == ({"plain"} if variant == "stock" else {"idle", "steer"})
+    assert modes == ({"plain"} if variant == "stock" else {"idle", "steer", "hs", "qk", "mixed"})
     assert all(r["tpot_ms_median"] > 0 for r in data["runs"])
 
 

@@ -4,9 +4,11 @@
 One engine launch per (model, variant): `--variant stock` runs vLLM without a hook
 manager (on the GPU host: the stock wheel), `--variant graphtap` runs the patched wheel
 with hook_manager="graphtap" and one configured site (blocks.{L/2}.hook_resid_post); its
-`idle` and `steer` modes alternate inside that launch, so they share compile artifacts,
-graphs and memory layout and differ only in table contents (steer: every request adds a
-vector at that site, all positions).
+modes alternate inside that launch, so they share compile artifacts, graphs and memory
+layout and differ only in table contents: idle (no hooks), steer (every request adds a
+vector at that site, all positions), hs (hidden states at 3 layers, last prompt token),
+qk (post-RoPE q at the last prompt token and k at every prompt token, 4 layers x 4
+heads), mixed (all of them). The configured sites are the union of the modes asked for.
 
 Per (rate, repetition): N requests of IN prompt tokens and OUT output tokens
 (ignore_eos), arrivals Poisson at `rate` req/s, in-process AsyncLLM; a request's TPOT is
@@ -74,13 +76,43 @@ def engine_args(args, path: str, cfg: dict):
         kw.update(dtype="bfloat16", gpu_memory_utilization=0.85,
                   compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
     if args.variant == "graphtap":
+        modes = args.modes.split(",")
+        sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
+        if {"hs", "mixed"} & set(modes):
+            sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
+        if {"qk", "mixed"} & set(modes):
+            sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
         kw.update(hook_manager="graphtap",
-                  hook_config={"sites": [f"blocks.{steer_layer(cfg)}.hook_resid_post"]})
+                  hook_config={"sites": sorted(set(sites)), "max_captures": 16})
     return AsyncEngineArgs(**kw)
 
 
 def steer_layer(cfg: dict) -> int:
     return cfg["num_hidden_layers"] // 2
+
+
+def hs_layers(cfg: dict) -> list[int]:  # hallucination-probe style: 3 layers, last token
+    n = cfg["num_hidden_layers"]
+    return [n // 4, n // 2, 3 * n // 4]
+
+
+def qk_layers(cfg: dict) -> list[int]:  # Attention-Tracker style: 4 layers x 4 heads
+    n = cfg["num_hidden_layers"]
+    return [n // 8, n // 4, n // 2, 3 * n // 4][:4]
+
+
+def mode_hooks(mode: str, cfg: dict, vec: list[float]) -> dict | None:
+    """Per-request spec of a benchmark mode (None: no hooks)."""
+    steer = [{"site": f"blocks.{steer_layer(cfg)}.hook_resid_post", "op": "add", "scale": 1.0,
+              "vector": vec, "positions": "all"}]
+    hs = [{"site": f"blocks.{layer}.hook_resid_post", "positions": "last_prompt"}
+          for layer in hs_layers(cfg)]
+    heads = list(range(min(4, cfg["num_key_value_heads"])))
+    qk = [c for layer in qk_layers(cfg) for c in (
+        {"site": f"blocks.{layer}.attn.hook_q", "positions": "last_prompt", "heads": heads},
+        {"site": f"blocks.{layer}.attn.hook_k", "positions": "prompt", "heads": heads})]
+    return {"idle": None, "plain": None, "steer": {"steer": steer}, "hs": {"capture": hs},
+            "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk}}[mode]
 
 
 async def one_request(engine, rid: str, ids: list[int], params, start_at: float, t0: float):
@@ -129,8 +161,6 @@ async def bench(args) -> dict:
     modes = ["plain"] if args.variant == "stock" else args.modes.split(",")
     vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
     vec = (vec / np.linalg.norm(vec) * 4.0).tolist()
-    steer = {"steer": [{"site": f"blocks.{steer_layer(cfg)}.hook_resid_post", "op": "add",
-                        "scale": 1.0, "vector": vec, "positions": "all"}]}
     result = {"model": args.model, "variant": args.variant, "input_len": args.input_len,
               "output_len": args.output_len, "startup_s": startup, "runs": [],
               "host": platform.node(), "gpu": gpu_name(), "vllm": vllm_version()}
@@ -140,8 +170,8 @@ async def bench(args) -> dict:
         await run_rate(engine, args, cfg, max(args.rates), -1, None)  # warm-up, not recorded
         for rep in range(args.reps):
             for rate in args.rates:
-                for mode in modes:  # idle and steer alternate: same engine, same moment
-                    r = await run_rate(engine, args, cfg, rate, rep, steer if mode == "steer" else None)
+                for mode in modes:  # modes alternate: same engine, same moment
+                    r = await run_rate(engine, args, cfg, rate, rep, mode_hooks(mode, cfg, vec))
                     r["mode"] = mode
                     result["runs"].append(r)
                     print(json.dumps(r), flush=True)
@@ -223,7 +253,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="llama3-8b")
     ap.add_argument("--variant", choices=["stock", "graphtap"], default="graphtap")
-    ap.add_argument("--modes", default="idle,steer", help="graphtap modes, alternated")
+    ap.add_argument("--modes", default="idle,steer",
+                    help="graphtap modes, alternated: idle, steer, hs, qk, mixed")
     ap.add_argument("--rates", default="1,4,8,16")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=0, help="per run (default: by rate)")
