@@ -217,3 +217,28 @@ def test_capture_limits_and_prefix_cache_reads():
     p.skip_reading_prefix_cache = None
     assert fe.process_request("r", p, "salt") == "salt"  # capture alone changes no KV
     assert p.skip_reading_prefix_cache is True  # but must recompute cached prompt positions
+
+
+@pytest.mark.parametrize("with_other", [True, False])
+def test_capture_kernel_matches_reference(with_other):
+    from graphtap.ops.capture import capture_reference
+    from graphtap.ops.capture_triton import capture_triton
+    from graphtap.tables import CaptureTables
+
+    def tables():
+        t = CaptureTables.allocate(max_reqs=2, max_tokens=N, max_captures=2, num_sites=3,
+                                   rows=10, hidden=H, max_len=L, device="cpu")
+        g = torch.Generator().manual_seed(3)
+        t.cap_dst[1] = 10  # the trash row
+        t.cap_dst[1, torch.randperm(N, generator=g)[:8]] = torch.arange(8)  # rows are unique
+        return t
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(N, 3 * H, generator=g)
+    x = qkv[:, H:2 * H].view(N, 4, H // 4)  # a strided q/k/v-style view
+    other = torch.randn(N, 4, H // 4, generator=g) if with_other else None
+    ref, tri = tables(), tables()
+    capture_reference(ref, x, other, 1)
+    assert capture_triton(tri, x, other, 1)
+    kept = ref.cap_dst[1] < 10
+    assert kept.any()
+    torch.testing.assert_close(tri.buf[:10], ref.buf[:10])

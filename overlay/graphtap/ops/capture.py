@@ -3,8 +3,8 @@ buffer, at rows the scheduler chose on the device before the step.
 
 Declared as mutating `x` (the residual half the model uses next) so that dead-code
 elimination keeps it; it only reads x. Rows not captured go to the buffer's trash row, so
-the op has no data-dependent shape and no host sync: it is safe inside CUDA graphs. Plain
-torch ops (index_copy_) on CPU and GPU alike.
+the op has no data-dependent shape and no host sync: it is safe inside CUDA graphs. Torch
+(index_copy_) on CPU and the spec of truth; a Triton kernel on GPU (capture_triton.py).
 """
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def bind_capture_tables(tables: CaptureTables | None) -> None:
     _tables = tables
 
 
+def _capture(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | None, site: int) -> None:
+    if x.is_cuda:
+        from graphtap.ops.capture_triton import capture_triton
+
+        if capture_triton(t, x, other, site):
+            return
+    capture_reference(t, x, other, site)
+
+
 def capture_reference(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | None,
                       site: int) -> None:
     """Rows of x (+ other), flattened per token ([tokens, heads, head_dim] included)."""
@@ -35,7 +44,7 @@ def capture_reference(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | N
 @torch.library.custom_op("graphtap::capture_resid_", mutates_args=("x",))
 def capture_resid_(x: torch.Tensor, other: Optional[torch.Tensor], site: int) -> None:
     if _tables is not None:
-        capture_reference(_tables, x, other, site)
+        _capture(_tables, x, other, site)
 
 
 @capture_resid_.register_fake
@@ -48,7 +57,7 @@ def capture_into_(sink: torch.Tensor, x: torch.Tensor, site: int) -> None:
     """Capture x (q, k or v before attention); `sink` is the attention output buffer,
     declared mutated (and left alone) so that the op survives dead-code elimination."""
     if _tables is not None:
-        capture_reference(_tables, x, None, site)
+        _capture(_tables, x, None, site)
 
 
 @capture_into_.register_fake
