@@ -123,3 +123,22 @@ def test_attention_capture_parity_with_hf(steer_engine):
         assert out.hooks.positions[site].tolist() == positions.tolist(), site
         assert out.hooks[site].shape == ref.shape, (site, out.hooks[site].shape, ref.shape)
         assert (out.hooks[site] - ref).abs().max().item() <= 1e-4, site
+
+
+def engine_fixture(model: str, eager: bool):
+    """The module's one graphtap engine: (llm, model path, hidden size, layers)."""
+
+    @pytest.fixture(scope="module")
+    def steer_engine(request):
+        from transformers import AutoConfig
+
+        from graphtap.testing.engines import make_llm, shutdown
+
+        path = request.getfixturevalue(f"{model}_path")
+        cfg = AutoConfig.from_pretrained(path)
+        llm = make_llm(path, eager=eager, hook_manager="graphtap",
+                       hook_config={"sites": ENGINE_SITES})
+        yield llm, path, cfg.hidden_size, cfg.num_hidden_layers
+        shutdown(llm)
+
+    return steer_engine
