@@ -22,4 +22,4 @@ verify: setup
 	for w in dist/vllm*+graphtap.*.whl; do $(VENV)/python scripts/verify_wheel.py $$w || exit 1; done
 
 bench: setup
-	$(VENV)/python -m pytest benchmarks -q --benchmark-only
+	$(VENV)/python -m pytest benchmarks/cpu -q --benchmark-only -p no:cacheprovider

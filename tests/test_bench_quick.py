@@ -20,6 +20,7 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
     modes = {r["mode"] for r in data["runs"]}
     assert modes == ({"plain"} if variant == "stock" else {"idle", "steer", "hs", "qk", "mixed"})
     assert all(r["tpot_ms_median"] > 0 for r in data["runs"])
+    assert {r["rate"] for r in data["runs"]} == {8.0, "burst3"}
 
 
 def test_report_merges_results(tmp_path):

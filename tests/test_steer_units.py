@@ -217,6 +217,10 @@ def test_capture_limits_and_prefix_cache_reads():
     p.skip_reading_prefix_cache = None
     assert fe.process_request("r", p, "salt") == "salt"  # capture alone changes no KV
     assert p.skip_reading_prefix_cache is True  # but must recompute cached prompt positions
+    p2 = _Params({"capture": [{"site": "blocks.0.hook_resid_post"}]})
+    p2.n = 2
+    with pytest.raises(ValueError, match=r"^hooks.capture: not supported with n > 1"):
+        fe.process_request("r", p2, None)
 
 
 @pytest.mark.parametrize("with_other", [True, False])

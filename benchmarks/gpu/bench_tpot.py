@@ -127,14 +127,16 @@ async def one_request(engine, rid: str, ids: list[int], params, start_at: float,
     return times
 
 
-async def run_rate(engine, args, cfg, rate: float, rep: int, hooks) -> dict:
+async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int = 0) -> dict:
+    """Poisson arrivals at `rate`, or with `burst` > 0 that many requests at once (a
+    fixed-concurrency decode measurement: far less noisy, so small overheads show)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    n = args.requests or REQUESTS_PER_RATE.get(int(rate), 24)
-    rng = np.random.default_rng([rep + 1, int(rate)])
+    n = burst or args.requests or REQUESTS_PER_RATE.get(int(rate), 24)
+    rng = np.random.default_rng([rep + 1, int(rate), burst])
     gaps = rng.exponential(1.0 / rate, size=n)
-    starts = np.cumsum(gaps) - gaps[0]
+    starts = np.zeros(n) if burst else np.cumsum(gaps) - gaps[0]
     vocab = cfg["vocab_size"]
     extra = {"hooks": hooks} if hooks else {}  # stock vLLM has no such field
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0,
@@ -146,7 +148,8 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks) -> dict:
     all_times = await asyncio.gather(*tasks)
     tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in all_times if len(t) > 1]
     ttfts = [(t[0] - t0 - s) * 1000 for t, s in zip(all_times, starts) if t]
-    return {"rate": rate, "rep": rep, "requests": n, "tpot_ms_median": statistics.median(tpots),
+    return {"rate": f"burst{burst}" if burst else rate, "rep": rep, "requests": n,
+            "tpot_ms_median": statistics.median(tpots),
             "tpot_ms_p90": float(np.percentile(tpots, 90)), "ttft_ms_median": statistics.median(ttfts),
             "wall_s": time.perf_counter() - t0}
 
@@ -167,11 +170,13 @@ async def bench(args) -> dict:
     out = Path(args.out) / f"tpot-{args.model}-{args.variant}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        await run_rate(engine, args, cfg, max(args.rates), -1, None)  # warm-up, not recorded
+        await run_rate(engine, args, cfg, max(args.rates or [8.0]), -1, None)  # warm-up only
         for rep in range(args.reps):
-            for rate in args.rates:
+            loads = [(rate, 0) for rate in args.rates] + [(1.0, b) for b in args.bursts]
+            for rate, burst in loads:
                 for mode in modes:  # modes alternate: same engine, same moment
-                    r = await run_rate(engine, args, cfg, rate, rep, mode_hooks(mode, cfg, vec))
+                    r = await run_rate(engine, args, cfg, rate, rep, mode_hooks(mode, cfg, vec),
+                                       burst)
                     r["mode"] = mode
                     result["runs"].append(r)
                     print(json.dumps(r), flush=True)
@@ -187,7 +192,8 @@ async def bench(args) -> dict:
 def summarise(result: dict) -> None:
     summary: dict[str, dict[str, float]] = {}
     for r in result["runs"]:
-        summary.setdefault(r["mode"], {}).setdefault(f"{r['rate']:g}", []).append(r["tpot_ms_median"])
+        key = r["rate"] if isinstance(r["rate"], str) else f"{r['rate']:g}"
+        summary.setdefault(r["mode"], {}).setdefault(key, []).append(r["tpot_ms_median"])
     result["summary_tpot_ms"] = {m: {k: statistics.median(v) for k, v in d.items()}
                                  for m, d in summary.items()}
 
@@ -226,12 +232,16 @@ def report(results_dir: Path) -> str:
             summarise(d)
         for mode, by_rate in d["summary_tpot_ms"].items():
             runs[(d["model"], "stock" if d["variant"] == "stock" else f"graphtap {mode}")] = (by_rate, d)
-    lines = ["| model | variant | " + " | ".join(f"{r} req/s" for r in (1, 4, 8, 16)) + " |",
-             "|---|---|" + "---|" * 4]
+    columns = ["1", "4", "8", "16"] + sorted(
+        {k for by_rate, _ in runs.values() for k in by_rate if k.startswith("burst")},
+        key=lambda k: int(k[5:]))
+    heads = [f"{c} req/s" if not c.startswith("burst") else f"{c[5:]} at once" for c in columns]
+    lines = ["| model | variant | " + " | ".join(heads) + " |",
+             "|---|---|" + "---|" * len(columns)]
     for (model, variant), (by_rate, d) in sorted(runs.items()):
         base = runs.get((model, "stock"), (None,))[0]
         cells = []
-        for rate in ("1", "4", "8", "16"):
+        for rate in columns:
             if rate not in by_rate:
                 cells.append("–")
                 continue
@@ -256,6 +266,7 @@ def main() -> int:
     ap.add_argument("--modes", default="idle,steer",
                     help="graphtap modes, alternated: idle, steer, hs, qk, mixed")
     ap.add_argument("--rates", default="1,4,8,16")
+    ap.add_argument("--bursts", default="", help="also: N requests at once, e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=0, help="per run (default: by rate)")
     ap.add_argument("--input-len", type=int, default=256)
@@ -267,9 +278,11 @@ def main() -> int:
     if args.report:
         print(report(Path(args.out)))
         return 0
-    args.rates = [float(r) for r in args.rates.split(",")]
+    args.rates = [float(r) for r in args.rates.split(",") if r]
+    args.bursts = [int(b) for b in args.bursts.split(",") if b]
     if args.quick:
         args.model, args.rates, args.reps = "tiny", [8.0], 1
+        args.bursts = args.bursts or [3]
         args.requests, args.input_len, args.output_len = args.requests or 4, 16, 8
     asyncio.run(bench(args))
     return 0

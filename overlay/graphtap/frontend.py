@@ -63,6 +63,11 @@ class GraphtapFrontend(HookFrontend):
             params.hooks = None
             return cache_salt
         normalised = normalise(parse_spec(raw), self.shape)
+        if normalised["capture"] and getattr(params, "n", 1) > 1:
+            # Each sample is its own engine request, but RequestOutput.hooks has room for
+            # one set of captures: refuse rather than return one sample's rows silently.
+            raise ValueError("hooks.capture: not supported with n > 1 (parallel sampling); "
+                             "send one request per sample")
         params.hooks = normalised
         if normalised["capture"]:
             # Prompt positions served from the prefix cache never run through the model,

@@ -1,0 +1,89 @@
+"""CPU micro-benchmarks of the graph ops and the per-step scheduler (pytest-benchmark).
+
+Targets live here, never in tests/: an idle site must cost next to nothing, and the
+per-step routing must stay well under a millisecond for a full decode batch.
+Run: `make bench` (or `pytest benchmarks/cpu --benchmark-only`).
+"""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from graphtap.capture_scheduler import CaptureScheduler
+from graphtap.ops.capture import capture_reference
+from graphtap.ops.steer import steer_reference
+from graphtap.scheduler import SteerScheduler, position_bitmap
+from graphtap.sites import SiteTable, expand_patterns
+from graphtap.tables import CaptureTables, SteerTables
+
+H, R, E, V, L = 1024, 64, 8, 64, 2048
+
+
+def steer_tables(active: bool):
+    t = SteerTables.allocate(max_reqs=R, max_tokens=512, max_steers=E, max_vectors=V, hidden=H,
+                             max_len=L, dtype=torch.float32, device="cpu")
+    t.bank[1:] = torch.randn(V, H)
+    t.inv_norm[1:] = 1 / t.bank[1:].norm(dim=1)
+    if active:
+        t.ent_site[:R, 0], t.ent_vec[:R, 0], t.ent_a[:R, 0] = 0, 1, 2.0
+        t.ent_pos[:R, 0] = torch.from_numpy(position_bitmap("all", 8, L, t.ent_pos.shape[2]))
+        t.tok_slot[:] = torch.arange(512) % R
+    return t
+
+
+@pytest.mark.parametrize("tokens", [64, 512])
+@pytest.mark.parametrize("active", [False, True], ids=["idle", "steering"])
+def test_steer_op(benchmark, tokens, active):
+    t = steer_tables(active)
+    x, other, pos = torch.randn(tokens, H), torch.randn(tokens, H), torch.arange(tokens)
+    benchmark(steer_reference, t, x, other, pos, 0)
+
+
+@pytest.mark.parametrize("tokens", [64, 512])
+def test_capture_op(benchmark, tokens):
+    t = CaptureTables.allocate(max_reqs=R, max_tokens=512, max_captures=4, num_sites=4,
+                               rows=1024, hidden=H, max_len=L, device="cpu")
+    t.cap_dst[0, :tokens] = torch.arange(tokens)
+    x, other = torch.randn(tokens, H), torch.randn(tokens, H)
+    benchmark(capture_reference, t, x, other, 0)
+
+
+def batch(num_reqs: int, tokens_each: int):
+    n = num_reqs * tokens_each
+    qsl = np.arange(0, n + 1, tokens_each, dtype=np.int32)
+    return SimpleNamespace(
+        req_ids=[f"r{i}" for i in range(num_reqs)], num_reqs=num_reqs, num_tokens=n,
+        num_tokens_after_padding=n, query_start_loc_np=qsl,
+        query_start_loc=torch.from_numpy(qsl), idx_mapping=torch.arange(num_reqs, dtype=torch.int32),
+        num_scheduled_tokens=np.full(num_reqs, tokens_each), positions=torch.arange(n) % 100)
+
+
+@pytest.mark.parametrize("num_reqs", [8, 64])
+def test_scheduler_step(benchmark, num_reqs):
+    """Routing plus capture rows for a decode batch where every request steers and
+    captures one site (the layout changes each call, so nothing is skipped)."""
+    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 32))
+    t = steer_tables(False)
+    ct = CaptureTables.allocate(max_reqs=R, max_tokens=512, max_captures=4, num_sites=len(sites),
+                                rows=1024, hidden=H, max_len=L, device="cpu")
+    steer = SteerScheduler(t, sites, torch.device("cpu"))
+    cap = CaptureScheduler(ct, sites, L, torch.float32, torch.device("cpu"),
+                           {"resid_post": (H, 0)})
+    vec = np.ones(H, np.float32).tobytes()
+    hooks = {"steer": [{"layer": 3, "kind": "resid_post", "vector": vec, "key": "k", "a": 1.0,
+                        "lo": -np.inf, "hi": np.inf, "positions": "all"}],
+             "capture": [{"layer": 5, "kind": "resid_post", "name": "blocks.5.hook_resid_post",
+                          "dtype": "float32", "heads": None, "positions": "generated"}]}
+    for i in range(num_reqs):
+        steer.add_request(i, f"r{i}", 8, hooks)
+        cap.add_request(i, f"r{i}", 8, hooks)
+    b = batch(num_reqs, 1)
+
+    def step():
+        steer._last_layout = None
+        steer.prepare_step(b, False, cap.has_captures)
+        cap.prepare_step(b, t.tok_slot, False)
+        return cap.collect(b, False)
+
+    benchmark(step)
