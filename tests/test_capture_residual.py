@@ -28,10 +28,16 @@ def capture(sites=SITES, positions="all", dtype="float32", **extra):
 
 
 @pytest.fixture(scope="module")
-def engine(llama_path):
+def save_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("saved")
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path, save_root):
     # Small batches: a long prompt is split by chunked prefill.
     llm = make_llm(llama_path, hook_manager="graphtap", block_size=32, enable_prefix_caching=True,
-                   max_num_batched_tokens=48, hook_config={"capture_rows": 512})
+                   max_num_batched_tokens=48,
+                   hook_config={"capture_rows": 512, "save_root": str(save_root)})
     yield llm
     shutdown(llm)
 
@@ -103,12 +109,12 @@ def test_chunked_prefill_and_prefix_cache_are_complete(engine, llama_path):
         assert torch.equal(again.hooks[s], cold.hooks[s])
 
 
-def test_save_to_writes_one_safetensors_file_per_request(engine, llama_path, tmp_path):
+def test_save_to_writes_one_safetensors_file_per_request(engine, llama_path, save_root):
     from safetensors.torch import load_file
 
     ids = tokenize(llama_path, ["Numbers like 12, 40", "The quick brown fox"])
-    outs = generate(engine, ids, [capture(save_to=str(tmp_path))] * 2)
-    files = sorted(tmp_path.glob("*.safetensors"))
+    outs = generate(engine, ids, [capture(save_to="run1")] * 2)
+    files = sorted((save_root / "run1").glob("*.safetensors"))
     assert len(files) == 2
     saved = [load_file(f) for f in files]
     by_len = {len(d[f"{SITES[0]}.positions"]): d for d in saved}
@@ -154,3 +160,10 @@ def test_soak_200_requests_attributed_exactly(engine, llama_path):
             elif (out.hooks[site].float() - ref.hooks[site].float()).abs().max() > TOL:
                 misattributed += 1
     assert (missing, misattributed) == (0, 0)
+
+
+def test_save_to_stays_inside_save_root(engine, llama_path):
+    ids = tokenize(llama_path, ["Numbers like 12, 40"])
+    for bad in ("../escape", "/etc"):
+        with pytest.raises(ValueError, match=r"hooks.save_to: .* is outside hook_config.save_root"):
+            generate(engine, ids, [capture(save_to=bad)])

@@ -246,3 +246,11 @@ def test_capture_kernel_matches_reference(with_other):
     kept = ref.cap_dst[1] < 10
     assert kept.any()
     torch.testing.assert_close(tri.buf[:10], ref.buf[:10])
+
+
+def test_save_to_needs_a_save_root():
+    spec = parse_spec({"capture": [{"site": "blocks.0.hook_resid_post"}], "save_to": "x"})
+    with pytest.raises(ValueError, match=r"^hooks.save_to: this engine has no hook_config.save_root"):
+        normalise(spec, SHAPE)
+    with pytest.raises(ValueError, match=r"^hooks.save_to: nothing is captured"):
+        normalise(parse_spec({"save_to": "x"}), SHAPE)

@@ -20,6 +20,9 @@ class HookConfig(BaseModel):
     """Steer entries per request."""
     max_captures: int = Field(8, ge=1, le=64)
     """Capture entries (sites) per request."""
+    save_root: str | None = None
+    """Directory under which requests may ask for `save_to` files (none: refused), so a
+    request can never make the server write anywhere else."""
     capture_rows: int = Field(4096, ge=1)
     """Rows of the device capture buffer, per step (each row: one position at one site,
     hidden_size floats). Part of the memory vLLM profiles; a step that would need more

@@ -34,7 +34,8 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
         max_steers=config.max_steers, max_vectors=config.max_vectors,
         max_captures=config.max_captures,
         num_heads=mc.get_num_attention_heads(vllm_config.parallel_config),
-        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config))
+        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+        save_root=config.save_root)
 
 
 class GraphtapFrontend(HookFrontend):
@@ -80,11 +81,7 @@ class GraphtapFrontend(HookFrontend):
 
     def admit_request(self, request) -> None:
         hooks = request.sampling_params.hooks if request.sampling_params else None
-        if hooks and hooks.get("save_to"):
-            self._save_to[request.request_id] = hooks["save_to"]
         keys = {s["key"] for s in (hooks or {}).get("steer", [])}
-        if not keys:
-            return
         with self._lock:
             new = [k for k in keys if self._refs[k] == 0]
             held = sum(1 for k, n in self._refs.items() if n > 0)
@@ -93,11 +90,15 @@ class GraphtapFrontend(HookFrontend):
                     f"hooks.steer: this request needs {len(new)} new resident vector(s) and "
                     f"live requests hold {held} of the {self.shape.max_vectors} slots "
                     f"(hook_config.max_vectors); retry when some finish, or raise the limit")
-            self._live[request.request_id] = keys
-            self._refs.update(keys)
+            if keys:
+                self._live[request.request_id] = keys
+                self._refs.update(keys)
+            if hooks and hooks.get("save_to"):
+                self._save_to[request.request_id] = hooks["save_to"]
 
     def release_request(self, request_id: str) -> None:
         with self._lock:
+            self._save_to.pop(request_id, None)  # aborted before it finished
             keys = self._live.pop(request_id, None)
             if keys:
                 self._refs.subtract(keys)
@@ -112,7 +113,8 @@ class GraphtapFrontend(HookFrontend):
         for chunk in chunks:
             for name, tensor in chunk.items():
                 merged.setdefault(name, []).append(tensor)
-        save_to = self._save_to.pop(request_id, None)
+        with self._lock:
+            save_to = self._save_to.pop(request_id, None)
         if OVERFLOW_KEY in merged:
             wanted, capacity = merged[OVERFLOW_KEY][0].tolist()
             return HookOutputs(error=(

@@ -141,6 +141,7 @@ class ModelShape(BaseModel):
     max_captures: int = 8
     num_heads: int = 0
     num_kv_heads: int = 0
+    save_root: str | None = None
 
 
 def _loc(loc: tuple) -> str:
@@ -268,7 +269,26 @@ def normalise(spec: HookSpec, shape: ModelShape) -> dict:
                          "dtype": c.dtype, "heads": _heads(c.heads, site, i, shape),
                          "positions": _positions(c.positions, f"hooks.capture[{i}]",
                                                  shape.max_model_len)})
-    return {"format": FORMAT, "steer": steers, "capture": captures, "save_to": spec.save_to}
+    return {"format": FORMAT, "steer": steers, "capture": captures,
+            "save_to": _save_to(spec.save_to, shape.save_root, bool(captures))}
+
+
+def _save_to(save_to: str | None, root: str | None, captures: bool) -> str | None:
+    """The directory, resolved inside the engine's save_root, or a clear refusal."""
+    import os
+
+    if save_to is None:
+        return None
+    if not captures:
+        raise ValueError("hooks.save_to: nothing is captured, so nothing would be saved")
+    if root is None:
+        raise ValueError("hooks.save_to: this engine has no hook_config.save_root, so "
+                         "requests may not write files")
+    base = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(base, save_to))
+    if os.path.commonpath([base, path]) != base:
+        raise ValueError(f"hooks.save_to: {save_to!r} is outside hook_config.save_root")
+    return path
 
 
 def steering_salt(normalised: dict) -> str | None:
