@@ -15,7 +15,7 @@ import torch
 
 from graphtap.scheduler import position_bitmap
 from graphtap.sites import SiteTable
-from graphtap.tables import CaptureTables
+from graphtap.tables import CaptureTables, host_to_device, position_bit
 
 OVERFLOW_KEY = "graphtap:overflow"
 
@@ -95,8 +95,8 @@ class CaptureScheduler:
             width, head_dim = self.widths[cap["kind"]]
             dtype = self.model_dtype if cap["dtype"] == "model" else torch.float32
             formats[sid] = (dtype, width, cap.get("heads"), head_dim)
-        self.t.cap_site[slot].copy_(torch.from_numpy(site))
-        self.t.cap_pos[slot].copy_(torch.from_numpy(pos))
+        self.t.cap_site[slot].copy_(host_to_device(site, self.device), non_blocking=True)
+        self.t.cap_pos[slot].copy_(host_to_device(pos, self.device), non_blocking=True)
         if entries:
             self._entries[req_id] = len(entries)
             self._formats[slot] = formats
@@ -128,8 +128,7 @@ class CaptureScheduler:
         want = torch.zeros((num_sites, n), dtype=torch.int32, device=slot.device)
         for c in range(t.cap_site.shape[1]):
             site = t.cap_site[slot, c]
-            word = t.cap_pos[slot, c].gather(1, (pos >> 5).unsqueeze(1)).squeeze(1)
-            on = (site >= 0) & (((word >> (pos & 31)) & 1) == 1)
+            on = (site >= 0) & position_bit(t.cap_pos[slot, c], pos)
             want.index_put_((site.long().clamp(min=0), tokens), on.int(), accumulate=True)
         flat = (want > 0).flatten()
         index = torch.cumsum(flat, 0) - 1

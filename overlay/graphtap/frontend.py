@@ -9,7 +9,7 @@ from collections import Counter
 import torch
 
 from vllm.exceptions import VLLMValidationError
-from vllm.v1.worker.gpu.hooks import HookFrontend
+from vllm.v1.worker.gpu.hooks import HookFrontend, merge_hook_chunks
 
 from graphtap.capture_scheduler import OVERFLOW_KEY
 from graphtap.config import HookConfig
@@ -109,22 +109,18 @@ class GraphtapFrontend(HookFrontend):
     def finish_outputs(self, request_id: str, chunks) -> HookOutputs:
         """Merge a finished request's pieces: rows in position order, the last row kept
         where a position ran twice (recomputation after preemption)."""
-        merged: dict[str, list[torch.Tensor]] = {}
-        for chunk in chunks:
-            for name, tensor in chunk.items():
-                merged.setdefault(name, []).append(tensor)
+        merged = merge_hook_chunks(chunks) or {}
         with self._lock:
             save_to = self._save_to.pop(request_id, None)
         if OVERFLOW_KEY in merged:
-            wanted, capacity = merged[OVERFLOW_KEY][0].tolist()
+            wanted, capacity = merged[OVERFLOW_KEY][:2].tolist()  # the first report
             return HookOutputs(error=(
                 f"hooks.capture: a step needed {wanted} capture rows and the buffer holds "
                 f"{capacity} (hook_config.capture_rows); this request's captures are "
                 f"incomplete and were withheld"))
         out = HookOutputs()
         for name in [n for n in merged if not n.endswith("@positions")]:
-            rows = torch.cat(merged[name])
-            pos = torch.cat(merged[f"{name}@positions"])
+            rows, pos = merged[name], merged[f"{name}@positions"]
             order = torch.argsort(pos, stable=True)
             rows, pos = rows[order], pos[order]
             keep = torch.ones_like(pos, dtype=torch.bool)

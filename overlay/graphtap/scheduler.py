@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from graphtap.sites import SiteTable
-from graphtap.tables import SteerTables
+from graphtap.tables import SteerTables, host_to_device
 from graphtap.vectors import VectorBank
 
 
@@ -70,7 +70,7 @@ class SteerScheduler:
             self._keys[req_id] = keys
         for dst, src in ((t.ent_site, site), (t.ent_vec, vec), (t.ent_a, a), (t.ent_lo, lo),
                          (t.ent_hi, hi), (t.ent_pos, pos)):
-            dst[slot].copy_(self._to_device(src), non_blocking=True)
+            dst[slot].copy_(host_to_device(src, self.device), non_blocking=True)
         self._last_layout = None  # a slot's meaning may have changed
 
     def remove_request(self, req_id: str) -> None:
@@ -79,12 +79,6 @@ class SteerScheduler:
 
     def has_hooks(self, req_id: str) -> bool:
         return req_id in self._keys
-
-    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        src = torch.from_numpy(arr)
-        if self.device.type == "cuda":
-            src = src.pin_memory()  # caching host allocator: safe with non_blocking
-        return src.to(self.device, non_blocking=True)
 
     # -------------------------------------------------------------- steps
     def deactivate(self) -> None:

@@ -13,7 +13,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+def position_bit(bitmaps: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """bitmaps [n, W] (one per token row), pos [n] -> whether each row's bit is set.
+    Bit j of word w stands for position 32*w + j (scheduler.position_bitmap)."""
+    word = bitmaps.gather(1, (pos >> 5).unsqueeze(1)).squeeze(1)
+    return ((word >> (pos & 31)) & 1) == 1
+
+
+def host_to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on its way into a table row, without stalling the stream: pinned
+    (caching host allocator, so safe with non_blocking) where the device is a GPU."""
+    src = torch.from_numpy(arr)
+    if device.type == "cuda":
+        src = src.pin_memory()
+    return src.to(device, non_blocking=True)
 
 
 @dataclass

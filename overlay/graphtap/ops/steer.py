@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from graphtap.tables import SteerTables
+from graphtap.tables import SteerTables, position_bit
 
 _tables: SteerTables | None = None
 # How often the op's Python body ran. Inside a replayed CUDA graph it never runs (only its
@@ -34,8 +34,7 @@ def steer_reference(t: SteerTables, x: torch.Tensor, other: torch.Tensor | None,
     stream = x.float() if other is None else x.float() + other.float()
     delta = torch.zeros_like(stream)
     for e in range(t.max_steers):
-        word = t.ent_pos[slot, e].gather(1, (pos >> 5).unsqueeze(1)).squeeze(1)
-        active = (t.ent_site[slot, e] == site) & (((word >> (pos & 31)) & 1) == 1)
+        active = (t.ent_site[slot, e] == site) & position_bit(t.ent_pos[slot, e], pos)
         vidx = t.ent_vec[slot, e]
         v = t.bank[vidx].float()
         u = v * t.inv_norm[vidx].unsqueeze(1)

@@ -50,14 +50,9 @@ def shutdown(llm) -> None:
 
 def hf_greedy(model: Path | str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers greedy continuation: the reference for token parity."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from graphtap.testing.hf_reference import hf_generate
 
-    hf = _hf_model(str(model))
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                          do_sample=False, pad_token_id=hf.config.pad_token_id)
-    return out[0, len(prompt_ids):].tolist()
+    return hf_generate(_hf_model(str(model)), prompt_ids, max_new_tokens)[0]
 
 
 _HF_CACHE: dict[str, object] = {}
