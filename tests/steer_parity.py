@@ -3,6 +3,7 @@
 Each module starts one graphtap engine (model x eager/compiled) and imports these tests.
 """
 import numpy as np
+import torch
 import pytest
 
 from graphtap.testing.engines import _hf_model, tokenize
@@ -100,7 +101,7 @@ def test_capture_parity_with_hf(steer_engine):
 
 ATTN_LAYER = 1
 ENGINE_SITES = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid", "blocks.*.hook_resid_post",
-                *(f"blocks.{ATTN_LAYER}.attn.hook_{k}" for k in "qkvz")]
+                *(f"blocks.{ATTN_LAYER}.attn.hook_{k}" for k in ("q", "k", "v", "z", "pattern"))]
 
 
 def test_attention_capture_parity_with_hf(steer_engine):
@@ -123,6 +124,28 @@ def test_attention_capture_parity_with_hf(steer_engine):
         assert out.hooks.positions[site].tolist() == positions.tolist(), site
         assert out.hooks[site].shape == ref.shape, (site, out.hooks[site].shape, ref.shape)
         assert (out.hooks[site] - ref).abs().max().item() <= 1e-4, site
+
+
+def test_attention_pattern_parity_with_hf(steer_engine):
+    """Attention probabilities from q and the paged K cache (GQA on Qwen2) against HF's
+    eager attention over the whole sequence, prompt and generated positions."""
+    from vllm import SamplingParams
+
+    from graphtap.testing.hf_reference import hf_attention_pattern
+
+    llm, path, _, _ = steer_engine
+    ids = tokenize(path, [PROMPT])[0]
+    site = f"blocks.{ATTN_LAYER}.attn.hook_pattern"
+    caps = [{"site": site, "dtype": "float32", "heads": [0, 3]}]
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                      hooks={"capture": caps}), use_tqdm=False)[0]
+    ran = ids + list(out.outputs[0].token_ids)[:-1]  # the last sampled token never runs
+    want = hf_attention_pattern(_hf_model(str(path)), ran, ATTN_LAYER)[:, [0, 3]]
+    assert out.hooks.positions[site].tolist() == list(range(len(ran)))
+    assert out.hooks[site].shape == want.shape, (out.hooks[site].shape, want.shape)
+    assert (out.hooks[site] - want).abs().max().item() <= 1e-4
+    torch.testing.assert_close(out.hooks[site].sum(-1), torch.ones(len(ran), 2))
 
 
 def engine_fixture(model: str, eager: bool):

@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from graphtap.testing.engines import _hf_model, make_llm, shutdown, tokenize
-from graphtap.testing.hf_reference import hf_capture
+from graphtap.testing.hf_reference import hf_attention_pattern, hf_capture
 from steer_parity import vector
 
 SITES = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_mid", "blocks.3.hook_resid_post"]
 LONG = ("Interpretability engineers read the residual stream of a transformer. " * 6).strip()
 TOL = 1e-4
+PATTERN = "blocks.1.attn.hook_pattern"
+ENGINE_SITES = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid", "blocks.*.hook_resid_post",
+                PATTERN]
 
 
 def params(hooks=None, max_tokens=8, **kw):
@@ -37,7 +40,8 @@ def engine(llama_path, save_root):
     # Small batches: a long prompt is split by chunked prefill.
     llm = make_llm(llama_path, hook_manager="graphtap", block_size=32, enable_prefix_caching=True,
                    max_num_batched_tokens=48,
-                   hook_config={"capture_rows": 512, "save_root": str(save_root)})
+                   hook_config={"capture_rows": 512, "save_root": str(save_root),
+                                "sites": ENGINE_SITES})
     yield llm
     shutdown(llm)
 
@@ -98,13 +102,19 @@ def test_dtype_model_and_position_selectors(engine, llama_path):
 def test_chunked_prefill_and_prefix_cache_are_complete(engine, llama_path):
     ids = tokenize(llama_path, [LONG])[0]
     assert len(ids) > 48  # longer than a step's token budget: prefill in chunks
+    spec = capture(SITES + [PATTERN])
     engine.reset_prefix_cache()
-    cold = generate(engine, [ids], [capture()])[0]
+    cold = generate(engine, [ids], [spec])[0]
     assert_matches_hf(cold, _hf_model(str(llama_path)), ids, SITES)
+    # Patterns over every key, the earlier chunks' too (read from the paged cache).
+    ran = ids + list(cold.outputs[0].token_ids)[:-1]
+    want = hf_attention_pattern(_hf_model(str(llama_path)), ran, 1)
+    assert cold.hooks.positions[PATTERN].tolist() == list(range(len(ran)))
+    assert (cold.hooks[PATTERN] - want).abs().max().item() <= TOL
     warm_plain = generate(engine, [ids], [None])[0]  # fills and reads the cache
     assert warm_plain.num_cached_tokens
-    again = generate(engine, [ids], [capture()])[0]  # would hit the cache: must recompute
-    for s in SITES:
+    again = generate(engine, [ids], [spec])[0]  # would hit the cache: must recompute
+    for s in SITES + [PATTERN]:
         assert again.hooks.positions[s].tolist() == cold.hooks.positions[s].tolist()
         assert torch.equal(again.hooks[s], cold.hooks[s])
 
@@ -133,8 +143,10 @@ def test_soak_200_requests_attributed_exactly(engine, llama_path):
               {"steer": [{"site": "blocks.1.hook_resid_post", "op": "ablate",
                           "vector": vector(256, 10)}]}]
     caps = [capture(), capture(["blocks.3.hook_resid_mid"], positions="prompt"), None,
-            capture(["blocks.2.hook_resid_post"], positions="generated", dtype="model")]
-    combos = [(p, s, c) for p in range(5) for s in range(3) for c in range(4)]
+            capture(["blocks.2.hook_resid_post"], positions="generated", dtype="model"),
+            {"capture": [{"site": PATTERN, "heads": [2], "dtype": "float32"},
+                         {"site": "blocks.0.hook_resid_pre", "positions": "last_prompt"}]}]
+    combos = [(p, s, c) for p in range(5) for s in range(3) for c in range(len(caps))]
     picks = [combos[i] for i in rng.integers(0, len(combos), 200)]
 
     def spec(s, c):

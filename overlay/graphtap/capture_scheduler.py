@@ -17,7 +17,25 @@ from graphtap.scheduler import position_bitmap
 from graphtap.sites import SiteTable
 from graphtap.tables import CaptureTables, host_to_device, position_bit
 
-OVERFLOW_KEY = "graphtap:overflow"
+OVERFLOW_KEY = "graphtap:overflow"  # value: [rows wanted, capacity, 0 rows | 1 patterns]
+
+
+class StepSnapshots:
+    """The snapshots of one step (rows, patterns), handed to the courier as one."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def to_cpu_nonblocking(self) -> None:
+        for part in self.parts:
+            part.to_cpu_nonblocking()
+
+    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for part in self.parts:
+            for req, tensors in part.per_request().items():
+                out.setdefault(req, {}).update(tensors)
+        return out
 
 
 class CaptureSnapshot:
@@ -38,7 +56,7 @@ class CaptureSnapshot:
         wanted = int(self.count[0])
         out: dict[str, dict[str, torch.Tensor]] = {}
         if wanted > self.capacity:  # rows were lost: say so for every capturing request
-            flag = torch.tensor([wanted, self.capacity], dtype=torch.int64)
+            flag = torch.tensor([wanted, self.capacity, 0], dtype=torch.int64)
             return {req: {OVERFLOW_KEY: flag} for req in self.slot_to_req.values()}
         used = min(wanted, self.rows.shape[0])
         meta = self.meta[:used].numpy()
@@ -85,7 +103,8 @@ class CaptureScheduler:
         site = np.full(c, -1, np.int32)
         pos = np.zeros((c, words), np.int32)
         formats = {}
-        entries = (hooks or {}).get("capture", [])
+        # Attention patterns have their own tables (pattern_scheduler.py).
+        entries = [e for e in (hooks or {}).get("capture", []) if e["kind"] != "attn_pattern"]
         for i, cap in enumerate(entries):
             sid = self.sites.id_for_slot(cap["layer"], cap["kind"])
             if sid is None:

@@ -28,6 +28,11 @@ class HookConfig(BaseModel):
     hidden_size floats). Part of the memory vLLM profiles; a step that would need more
     fails its capturing requests' captures with an error instead of dropping rows."""
 
+    pattern_rows: int = Field(256, ge=1)
+    """Rows of the device attention-pattern buffer, per step (each row: one query position
+    of one head, max_model_len floats). Allocated only when a hook_pattern site is
+    configured; overflow is reported like capture_rows."""
+
     def site_table(self, num_layers: int) -> SiteTable:
         return SiteTable(expand_patterns(self.sites, num_layers))
 

@@ -14,6 +14,7 @@ from vllm.v1.worker.gpu.hooks import HookFrontend, merge_hook_chunks
 from graphtap.capture_scheduler import OVERFLOW_KEY
 from graphtap.config import HookConfig
 from graphtap.outputs import HookOutputs
+from graphtap.pattern_scheduler import unpack_patterns
 from graphtap.spec import ModelShape, normalise, parse_spec, steering_salt
 
 
@@ -113,14 +114,18 @@ class GraphtapFrontend(HookFrontend):
         with self._lock:
             save_to = self._save_to.pop(request_id, None)
         if OVERFLOW_KEY in merged:
-            wanted, capacity = merged[OVERFLOW_KEY][:2].tolist()  # the first report
+            wanted, capacity, kind = merged[OVERFLOW_KEY][:3].tolist()  # the first report
+            what = ("attention-pattern rows", "pattern_rows") if kind else \
+                ("capture rows", "capture_rows")
             return HookOutputs(error=(
-                f"hooks.capture: a step needed {wanted} capture rows and the buffer holds "
-                f"{capacity} (hook_config.capture_rows); this request's captures are "
+                f"hooks.capture: a step needed {wanted} {what[0]} and the buffer holds "
+                f"{capacity} (hook_config.{what[1]}); this request's captures are "
                 f"incomplete and were withheld"))
         out = HookOutputs()
         for name in [n for n in merged if not n.endswith("@positions")]:
             rows, pos = merged[name], merged[f"{name}@positions"]
+            if name.endswith(".attn.hook_pattern"):
+                rows = unpack_patterns(rows, pos)
             order = torch.argsort(pos, stable=True)
             rows, pos = rows[order], pos[order]
             keep = torch.ones_like(pos, dtype=torch.bool)
@@ -138,3 +143,4 @@ class GraphtapFrontend(HookFrontend):
         tensors = {**out, **{f"{k}.positions": v for k, v in out.positions.items()}}
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)
         save_file(tensors, os.path.join(directory, f"{safe}.safetensors"))
+

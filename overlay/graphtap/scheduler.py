@@ -106,6 +106,7 @@ class SteerScheduler:
         slot = input_batch.idx_mapping[batch_row].to(torch.int64)
         slot = torch.where(rows < qsl[num_reqs], slot, self.t.sentinel)
         self.t.tok_slot[:n].copy_(slot)
+        self.t.tok_row[:n].copy_(batch_row)  # block-table row, for attention patterns
         self._last_layout = layout
         self._all_inactive = False
 

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 RESID_KINDS = ("resid_pre", "resid_mid", "resid_post")
-ATTN_KINDS = ("attn_q", "attn_k", "attn_v", "attn_z")
+ATTN_KINDS = ("attn_q", "attn_k", "attn_v", "attn_z", "attn_pattern")
 KINDS = RESID_KINDS + ATTN_KINDS
 _NAME = re.compile(r"^blocks\.(\d+|\*)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|"
                    r"attn\.hook_q|attn\.hook_k|attn\.hook_v|attn\.hook_z|attn\.hook_pattern)$")
@@ -41,10 +41,7 @@ def parse_site(name: str, num_layers: int) -> Site:
     if not m or m.group(1) == "*":
         raise ValueError(f"unknown site {name!r}: expected blocks.<layer>.hook_resid_pre|"
                          f"hook_resid_mid|hook_resid_post or blocks.<layer>.attn.hook_q|"
-                         f"hook_k|hook_v|hook_z")
-    if m.group(2) == "attn.hook_pattern":
-        raise ValueError(f"{name}: attention patterns are not implemented yet; capture "
-                         f"attn.hook_q and attn.hook_k instead")
+                         f"hook_k|hook_v|hook_z|hook_pattern")
     layer = int(m.group(1))
     if layer >= num_layers:
         raise ValueError(f"layer {layer} is out of range: the model has {num_layers} layers "

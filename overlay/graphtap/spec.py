@@ -113,7 +113,8 @@ class Capture(BaseModel):
     positions: Any = "all"
     dtype: Literal["model", "float32"] = "model"
     heads: list[int] | None = Field(None, min_length=1)
-    """Attention sites only: which heads (q and z: query heads; k and v: KV heads)."""
+    """Attention sites only: which heads (q, z and pattern: query heads; k and v: KV
+    heads). Default: all."""
 
     @field_validator("positions", mode="before")
     @classmethod

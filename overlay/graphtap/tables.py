@@ -3,6 +3,7 @@ trace and any graph capture, and refilled by the scheduler before each step.
 
 Layout (R request slots + 1 sentinel slot, E steer entries per slot, V vectors):
   tok_slot[N]          request slot of each token row; R (the sentinel) = inactive
+  tok_row[N]           batch row of each token row (valid where tok_slot is active)
   ent_site[R+1, E]     site id of each entry, -1 = unused (the sentinel row stays unused)
   ent_vec[R+1, E]      row of `bank` holding the entry's vector
   ent_a/lo/hi[R+1, E]  delta = a*v + (clamp(p, lo, hi) - p) * v_hat,  p = <h, v_hat>
@@ -36,6 +37,7 @@ def host_to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
 @dataclass
 class SteerTables:
     tok_slot: torch.Tensor
+    tok_row: torch.Tensor
     ent_site: torch.Tensor
     ent_vec: torch.Tensor
     ent_a: torch.Tensor
@@ -61,6 +63,7 @@ class SteerTables:
         f32 = dict(dtype=torch.float32, device=device)
         t = cls(
             tok_slot=torch.full((max_tokens,), max_reqs, dtype=torch.int64, device=device),
+            tok_row=torch.zeros((max_tokens,), dtype=torch.int64, device=device),
             ent_site=torch.full((r, e), -1, dtype=torch.int32, device=device),
             ent_vec=torch.zeros((r, e), dtype=torch.int64, device=device),
             ent_a=torch.zeros((r, e), **f32),
@@ -112,6 +115,49 @@ class CaptureTables:
             buf=torch.zeros((rows + 1, hidden), dtype=torch.float32, device=device),
             meta=torch.full((rows + 1, 3), -1, **i64),
             count=torch.zeros((1,), **i64),
+        )
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in vars(self).values()
+                   if isinstance(v, torch.Tensor))
+
+
+@dataclass
+class PatternTables:
+    """Attention-pattern capture (C entries per slot, Hq query heads, P rows, L keys):
+      pat_site[R+1, C]      site id of each pattern entry, -1 = unused
+      pat_pos[R+1, C, W]    query-position bitmap per entry
+      pat_heads[R+1, C, Hq] which query heads the entry wants
+      route[P+1, 6]         per step, one row per (query token, head): site (-1 = idle),
+                            token row, head, batch row, position, request slot
+      buf[P+1, L]           probabilities over key positions 0..position (float32)
+      count[1]              rows this step wanted (more than P means overflow)
+    """
+
+    pat_site: torch.Tensor
+    pat_pos: torch.Tensor
+    pat_heads: torch.Tensor
+    route: torch.Tensor
+    buf: torch.Tensor
+    count: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.buf.shape[0] - 1
+
+    @classmethod
+    def allocate(cls, *, max_reqs: int, max_captures: int, num_heads: int, rows: int,
+                 max_len: int, device) -> "PatternTables":
+        r, w = max_reqs + 1, (max_len + 31) // 32
+        route = torch.zeros((rows + 1, 6), dtype=torch.int64, device=device)
+        route[:, 0] = -1
+        return cls(
+            pat_site=torch.full((r, max_captures), -1, dtype=torch.int32, device=device),
+            pat_pos=torch.zeros((r, max_captures, w), dtype=torch.int32, device=device),
+            pat_heads=torch.zeros((r, max_captures, num_heads), dtype=torch.bool, device=device),
+            route=route,
+            buf=torch.zeros((rows + 1, max_len), dtype=torch.float32, device=device),
+            count=torch.zeros((1,), dtype=torch.int64, device=device),
         )
 
     def nbytes(self) -> int:

@@ -228,3 +228,16 @@ def hf_capture_attention(model, prompt_ids: list[int], max_new_tokens: int, laye
         for h in handles:
             h.remove()
     return {k: torch.cat(v) for k, v in got.items()}, torch.cat(positions)
+
+
+def hf_attention_pattern(model, ids: list[int], layer: int) -> torch.Tensor:
+    """One layer's attention probabilities over a whole sequence with HF's eager attention
+    (the one that returns them): [query position, heads, key position], float32."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_attentions=True)
+    finally:
+        model.set_attn_implementation(previous)
+    return out.attentions[layer][0].transpose(0, 1).float()

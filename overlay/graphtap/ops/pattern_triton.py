@@ -1,0 +1,61 @@
+"""Triton kernel for attention patterns: one program per route row (fixed grid of
+pattern_rows programs, fixed launch config, no autotune). A program whose row is idle or
+belongs to another site returns after one load; an active one walks its request's block
+table twice (online max and sum, then the normalised probabilities)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphtap.ops.pattern import KeyCache
+from graphtap.tables import PatternTables
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _pattern_kernel(route_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
+                    sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, s_bt, s_buf, D, BS, GROUP,
+                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    site = tl.load(route_ptr + row * 6)
+    if site == SITE:
+        tok = tl.load(route_ptr + row * 6 + 1)
+        head = tl.load(route_ptr + row * 6 + 2)
+        brow = tl.load(route_ptr + row * 6 + 3)
+        n_keys = tl.load(route_ptr + row * 6 + 4) + 1
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        qv = tl.load(q_ptr + tok * sq_t + head * sq_h + d * sq_d, mask=dm, other=0.0).to(tl.float32)
+        k_head = k_ptr + (head // GROUP) * sk_h
+        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+        for start in range(0, n_keys, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jm = j < n_keys
+            blk = tl.load(bt_ptr + brow * s_bt + j // BS, mask=jm, other=0).to(tl.int64)
+            kp = k_head + blk[:, None] * sk_b + (j % BS)[:, None] * sk_n + d[None, :] * sk_d
+            k = tl.load(kp, mask=jm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+            s = tl.where(jm, tl.sum(k * qv[None, :], 1) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), 0)
+            m_i = m_new
+        for start in range(0, n_keys, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            jm = j < n_keys
+            blk = tl.load(bt_ptr + brow * s_bt + j // BS, mask=jm, other=0).to(tl.int64)
+            kp = k_head + blk[:, None] * sk_b + (j % BS)[:, None] * sk_n + d[None, :] * sk_d
+            k = tl.load(kp, mask=jm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+            s = tl.sum(k * qv[None, :], 1) * scale
+            tl.store(buf_ptr + row * s_buf + j, tl.exp(s - m_i) / l_i, mask=jm)
+
+
+def pattern_triton(t: PatternTables, q: torch.Tensor, kc: KeyCache, site: int) -> None:
+    keys, bt = kc.keys, kc.block_table
+    dim = q.shape[-1]
+    _pattern_kernel[(t.rows,)](
+        t.route, q, keys, bt, t.buf, site, kc.scale,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        keys.stride(3), bt.stride(0), t.buf.stride(0), dim, keys.shape[1], kc.group,
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, num_warps=4)

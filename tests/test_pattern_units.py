@@ -1,0 +1,143 @@
+"""Attention patterns without an engine: the op on a paged cache (torch reference, Triton
+kernel in Triton's interpreter, a dense softmax), both cache layouts, GQA, and the
+scheduler's device-side routing and per-request snapshot."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from graphtap.ops.pattern import KeyCache, key_cache_view, pattern_reference
+from graphtap.pattern_scheduler import PatternScheduler, unpack_patterns
+from graphtap.sites import Site, SiteTable
+from graphtap.tables import PatternTables
+
+HQ, HKV, D, BS, NB, L, P = 4, 2, 64, 32, 12, 160, 40
+
+
+def paged(backend, seed=0):
+    """A paged cache in the backend's layout, with the dense keys it holds per request."""
+    g = torch.Generator().manual_seed(seed)
+    if backend == "CPU_ATTN:vec":
+        kv = torch.randn(NB, HKV, BS, 2 * D, generator=g)
+    else:  # logical [blocks, kv_heads, block_size, 2D] over a [blocks, block_size, ...] buffer
+        kv = torch.randn(NB, BS, HKV, 2 * D, generator=g).transpose(1, 2)
+    keys = key_cache_view(kv, backend, D)
+    table = torch.zeros(3, 8, dtype=torch.int32)
+    table[0, :3] = torch.tensor([5, 2, 9])
+    table[1, :2] = torch.tensor([0, 11])
+    table[2, :4] = torch.tensor([7, 1, 3, 4])
+    return keys, table
+
+
+def dense_keys(keys, table, brow, n):
+    j = torch.arange(n)
+    return keys[table[brow, j // BS].long(), j % BS]  # [n, kv_heads, D]
+
+
+def route_rows(t, rows):
+    t.route[:, 0] = -1
+    for i, r in enumerate(rows):
+        t.route[i] = torch.tensor(r)
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN:vec", "FLASH_ATTN"])
+def test_reference_and_triton_match_dense_softmax(backend):
+    from graphtap.ops.pattern_triton import pattern_triton  # Triton's interpreter here
+
+    keys, table = paged(backend)
+    t = PatternTables.allocate(max_reqs=3, max_captures=2, num_heads=HQ, rows=P, max_len=L,
+                               device="cpu")
+    q = torch.randn(10, HQ, D, generator=torch.Generator().manual_seed(3))
+    kc = KeyCache(keys, table, 0.125, HQ // HKV)
+    # site, token, head, batch row, position, slot; site 2 rows belong to another op call
+    rows = [(1, 0, 0, 0, 0, 5), (1, 3, 3, 0, 70, 5), (1, 4, 1, 1, 40, 2),
+            (1, 9, 2, 2, 127, 0), (2, 5, 0, 1, 12, 2), (1, 6, 2, 2, 31, 0)]
+    route_rows(t, rows)
+    ref = t.buf.clone()
+    pattern_reference(t, q, kc, 1)
+    ref, t.buf[:] = t.buf.clone(), 0
+    pattern_triton(t, q, kc, 1)
+    for i, (site, tok, head, brow, pos, _) in enumerate(rows):
+        if site != 1:
+            assert ref[i].abs().sum() == 0 and t.buf[i].abs().sum() == 0
+            continue
+        k = dense_keys(keys, table, brow, pos + 1)[:, head // (HQ // HKV)]
+        want = torch.softmax(k @ q[tok, head] * 0.125, dim=0)
+        torch.testing.assert_close(ref[i, : pos + 1], want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(t.buf[i, : pos + 1], want, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_vec_layout_is_transposed_keys_then_values():
+    # What cpu_attn_reshape_and_cache writes (measured in an engine): per block and KV
+    # head, K[d, t] at d * block_size + t, then V.
+    kv = torch.arange(NB * HKV * BS * 2 * D, dtype=torch.float32).view(NB, HKV, BS, 2 * D)
+    keys = key_cache_view(kv, "CPU_ATTN:vec", D)
+    assert keys.shape == (NB, BS, HKV, D)
+    base = lambda b, h: (b * HKV + h) * BS * 2 * D  # noqa: E731
+    assert keys[3, 5, 1, 7] == base(3, 1) + 7 * BS + 5
+
+
+def test_unknown_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="attn.hook_pattern does not support the XFORMERS"):
+        key_cache_view(torch.zeros(2, 2, 32, 128), "XFORMERS", 64)
+
+
+def scheduler():
+    sites = SiteTable([Site(0, "resid_pre"), Site(1, "attn_pattern"), Site(2, "attn_pattern")])
+    t = PatternTables.allocate(max_reqs=3, max_captures=2, num_heads=HQ, rows=P, max_len=L,
+                               device="cpu")
+    return PatternScheduler(t, sites, L, torch.float32, torch.device("cpu")), t
+
+
+def test_routing_labels_every_row_and_snapshot_splits_per_request():
+    s, t = scheduler()
+    cap = lambda layer, heads=None, positions="all": {  # noqa: E731
+        "layer": layer, "kind": "attn_pattern", "name": f"blocks.{layer}.attn.hook_pattern",
+        "heads": heads, "positions": positions, "dtype": "float32"}
+    s.add_request(0, "a", 5, {"capture": [cap(1, [1, 3])]})
+    s.add_request(2, "b", 3, {"capture": [cap(2, None, "last_prompt"), cap(1, [0])]})
+    s.add_request(1, "c", 4, None)
+    # Batch: a prefill of 5 (slot 0), c decode (slot 1), b prefill of 3 (slot 2), padding.
+    slots = torch.tensor([0] * 5 + [1] + [2] * 3 + [3, 3])
+    rows = torch.tensor([0] * 5 + [1] + [2] * 3 + [0, 0])
+    batch = SimpleNamespace(req_ids=["a", "c", "b"], num_tokens_after_padding=11,
+                            positions=torch.tensor([0, 1, 2, 3, 4, 9, 0, 1, 2, 0, 0]),
+                            num_scheduled_tokens=np.array([5, 1, 3]))
+    s.prepare_step(batch, slots, rows, False)
+    assert int(t.count[0]) == 5 * 2 + 1 * 4 + 3 * 1
+    # Fill each routed row with a recognisable value: token*100 + head, over its keys.
+    for i in range(int(t.count[0])):
+        site, tok, head, _, pos, _ = t.route[i].tolist()
+        t.buf[i, : pos + 1] = tok * 100 + head
+    snap = s.collect(False)
+    snap.to_cpu_nonblocking()
+    out = snap.per_request()
+    for tensors in out.values():
+        for name in [n for n in tensors if not n.endswith("@positions")]:
+            tensors[name] = unpack_patterns(tensors[name], tensors[f"{name}@positions"])
+    assert set(out) == {"a", "b"}
+    a = out["a"]["blocks.1.attn.hook_pattern"]
+    assert a.shape == (5, 2, 5) and out["a"]["blocks.1.attn.hook_pattern@positions"].tolist() \
+        == [0, 1, 2, 3, 4]
+    assert a[3, 1, :4].tolist() == [303.0] * 4 and a[3, 1, 4] == 0  # causal zeros
+    b2 = out["b"]["blocks.2.attn.hook_pattern"]
+    assert b2.shape == (1, HQ, 3) and b2[0, :, 0].tolist() == [800, 801, 802, 803]
+    b1 = out["b"]["blocks.1.attn.hook_pattern"]
+    assert b1.shape == (3, 1, 3) and b1[:, 0, 0].tolist() == [600, 700, 800]
+    # A step without pattern requests leaves every route row idle.
+    s.prepare_step(SimpleNamespace(req_ids=["c"]), slots, rows, False)
+    assert (t.route[:, 0] == -1).all() and s.collect(False) is None
+
+
+def test_overflow_is_reported_not_dropped():
+    s, t = scheduler()
+    s.add_request(0, "a", 30, {"capture": [{"layer": 1, "kind": "attn_pattern", "heads": None,
+                                            "name": "x", "positions": "all", "dtype": "model"}]})
+    batch = SimpleNamespace(req_ids=["a"], num_tokens_after_padding=30,
+                            positions=torch.arange(30), num_scheduled_tokens=np.array([30]))
+    s.prepare_step(batch, torch.zeros(30, dtype=torch.long), torch.zeros(30, dtype=torch.long),
+                   False)
+    snap = s.collect(False)
+    flag = snap.per_request()["a"]["graphtap:overflow"].tolist()
+    assert flag == [30 * HQ, P, 1]
