@@ -4,7 +4,11 @@
 1. Parity: the same mixed batch (plain, and steered with every op at every residual
    kind, prompt and generated positions) on a tiny bf16 Llama gives the same greedy
    tokens with graphs as with eager-mode graphtap.
-2. Inside replayed graphs: after start-up, further request mixes (all plain, all steered,
+2. Captures inside graphs: residual, post-RoPE q/k and attention patterns (from q and
+   the paged K cache) of a steered request in a mixed batch come back complete; patterns
+   equal softmax(q k^T / sqrt(d)) of the same engine's captured q and k; graph and eager
+   residual captures agree to bf16 precision.
+3. Inside replayed graphs: after start-up, further request mixes (all plain, all steered,
    different subsets) change no compilation counter (no new Dynamo graph, Inductor
    compile or graph capture) and never run the steer op's Python body, while steering
    still changes the tokens: the op ran as captured kernels, not eagerly.
@@ -72,6 +76,44 @@ def run(llm, prompts, hooks):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+CAPTURE_SITES = ["blocks.2.hook_resid_post", "blocks.1.attn.hook_q", "blocks.1.attn.hook_k",
+                 "blocks.1.attn.hook_pattern"]
+ENGINE_SITES = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid", "blocks.*.hook_resid_post",
+                *CAPTURE_SITES[1:]]
+
+
+def capture_run(llm, prompts, hooks):
+    """A steered, capturing request between two others; its captures and tokens."""
+    from vllm import SamplingParams
+
+    spec = {**hooks[1], "capture": [{"site": s, "dtype": "float32"} for s in CAPTURE_SITES]}
+    batch = [(prompts[4], spec), (prompts[0], None), (prompts[2], hooks[2])]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                             **({"hooks": h} if h else {})) for _, h in batch]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, use_tqdm=False)
+    return outs[0].hooks, list(outs[0].outputs[0].token_ids)
+
+
+def judge_captures(hooks, tokens, ref_hooks, prompt_len: int, steered_tokens) -> dict:
+    import torch
+
+    ran = prompt_len + len(tokens) - 1
+    complete = all(hooks.positions[s].tolist() == list(range(ran)) for s in CAPTURE_SITES)
+    q, k = hooks["blocks.1.attn.hook_q"], hooks["blocks.1.attn.hook_k"]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->qhk", q, k) / q.shape[-1] ** 0.5
+    causal = torch.arange(ran)[None, None, :] <= torch.arange(ran)[:, None, None]
+    want = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    pattern = hooks["blocks.1.attn.hook_pattern"]
+    r, r_ref = hooks["blocks.2.hook_resid_post"], ref_hooks["blocks.2.hook_resid_post"]
+    return {
+        "error": hooks.error, "complete": complete,
+        "tokens_equal_uncaptured_run": tokens == steered_tokens,
+        "pattern_vs_softmax_qk_max_abs": float((pattern - want).abs().max()),
+        "resid_graph_vs_eager_max_rel": float((r - r_ref).abs().max() / r_ref.abs().max()),
+    }
+
+
 def main() -> int:
     import graphtap.ops.steer as steer_op
     from graphtap.testing.engines import make_llm, runner_info, shutdown
@@ -83,15 +125,19 @@ def main() -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, size=n).tolist() for n in (7, 19, 33, 12, 64, 5)]
     hooks = [hooks_for(i, 256) for i in range(len(prompts))]
-    common = dict(dtype="float32" if cpu else "bfloat16", gpu_memory_utilization=0.15 if cpu else 0.3,
-                  hook_manager="graphtap", max_num_seqs=16)
+    common = dict(dtype="float32" if cpu else "bfloat16", gpu_memory_utilization=0.3,
+                  hook_manager="graphtap", max_num_seqs=16,
+                  hook_config={"sites": ENGINE_SITES})
     # Capture sizes up to 256 tokens: every step of these batches (140 prompt tokens) then
     # replays a graph, prefill (PIECEWISE) included, so the op's Python body never runs.
     graphs = {} if cpu else {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE",
                                                     "max_cudagraph_capture_size": 256}}
-    eager = make_llm(path, eager=True, **common)
+    # On CPU the in-process engines share one memory budget: keep the first one small.
+    eager = make_llm(path, eager=True, **{**common, **({"gpu_memory_utilization": 0.1}
+                                                       if cpu else {})})
     want = run(eager, prompts, hooks)
     plain_eager = run(eager, prompts, [None] * len(prompts))
+    eager_caps, _ = capture_run(eager, prompts, hooks)
     shutdown(eager)
 
     llm = make_llm(path, eager=False, **graphs, **common)
@@ -104,6 +150,8 @@ def main() -> int:
     plain_graph = run(llm, prompts, [None] * len(prompts))
     mixes = [[None] * 6, hooks, hooks[::-1], [hooks[1]] * 6, [hooks[2], None, hooks[5]]]
     mixed = [run(llm, prompts[: len(m)], m) for m in mixes]
+    caps, cap_tokens = capture_run(llm, prompts, hooks)
+    steered_alone = run(llm, [prompts[4]], [hooks[1]])[0]
     after = {k: getattr(compilation_counter, k) for k in keys}
     calls_after = steer_op.python_calls
     verdict = {
@@ -116,9 +164,15 @@ def main() -> int:
         "compilation_counters_before": before, "compilation_counters_after": after,
         "no_recompile_or_recapture": before == after,
         "steer_op_python_calls_during_runs": calls_after - calls_before,
+        "captures": judge_captures(caps, cap_tokens, eager_caps, len(prompts[4]), steered_alone),
         "tokens_graph": got, "tokens_eager": want,
     }
+    c = verdict["captures"]
+    captures_ok = (c["error"] is None and c["complete"] and c["tokens_equal_uncaptured_run"]
+                   and c["pattern_vs_softmax_qk_max_abs"] <= 1e-3
+                   and c["resid_graph_vs_eager_max_rel"] <= 0.05)
     ok = (verdict["parity_graph_vs_eager"] and all(verdict["steered_requests_differ"])
+          and captures_ok
           and verdict["plain_mix_equals_plain"]
           and verdict["no_recompile_or_recapture"] and info["model_runner_v2"]
           and (cpu or (calls_after == calls_before and info["cudagraph_mode"] == "FULL_AND_PIECEWISE"
