@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from graphtap.scheduler import position_bitmap
+from graphtap.scheduler import position_bitmap, position_mask, wanted_in_step
 from graphtap.sites import SiteTable
-from graphtap.tables import CaptureTables, host_to_device, position_bit
+from graphtap.tables import CaptureTables, entry_bits, host_to_device
 
 OVERFLOW_KEY = "graphtap:overflow"  # value: [rows wanted, capacity, 0 rows | 1 patterns]
 
@@ -77,7 +77,10 @@ class CaptureSnapshot:
             if head_dim:  # attention sites: [rows, heads, head_dim], chosen heads only
                 data = data.reshape(end - start, -1, head_dim)
                 data = data[:, heads] if heads is not None else data
-            out.setdefault(req, {})[name] = data.to(dtype).contiguous()
+            # A copy: a view would pin the step's whole host buffer (pinned memory, from
+            # the caching host allocator) until the request finishes.
+            out.setdefault(req, {})[name] = data.to(dtype, copy=True,
+                                                    memory_format=torch.contiguous_format)
             out[req][f"{name}@positions"] = torch.from_numpy(meta[start:end, 2].copy())
         return out
 
@@ -94,6 +97,7 @@ class CaptureScheduler:
         self._entries: dict[str, int] = {}  # req_id -> number of capture entries
         self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
         self._slot_of: dict[str, int] = {}
+        self._wanted: dict[str, np.ndarray] = {}  # req_id -> positions any entry wants
         self._step: tuple | None = None  # (slot -> req_id, row bound) of the current step
         self._idle = True
 
@@ -103,6 +107,7 @@ class CaptureScheduler:
         site = np.full(c, -1, np.int32)
         pos = np.zeros((c, words), np.int32)
         formats = {}
+        wanted = np.zeros(self.max_len, dtype=bool)
         # Attention patterns have their own tables (pattern_scheduler.py).
         entries = [e for e in (hooks or {}).get("capture", []) if e["kind"] != "attn_pattern"]
         for i, cap in enumerate(entries):
@@ -111,6 +116,7 @@ class CaptureScheduler:
                 raise RuntimeError(f"graphtap: site {cap['name']} is not configured")
             site[i] = sid
             pos[i] = position_bitmap(cap["positions"], prompt_len, self.max_len, words)
+            wanted |= position_mask(cap["positions"], prompt_len, self.max_len)
             width, head_dim = self.widths[cap["kind"]]
             dtype = self.model_dtype if cap["dtype"] == "model" else torch.float32
             formats[sid] = (dtype, width, cap.get("heads"), head_dim)
@@ -120,19 +126,26 @@ class CaptureScheduler:
             self._entries[req_id] = len(entries)
             self._formats[slot] = formats
             self._slot_of[req_id] = slot
+            self._wanted[req_id] = wanted
 
     def remove_request(self, req_id: str) -> None:
         if self._entries.pop(req_id, None) is not None:
             self._formats.pop(self._slot_of.pop(req_id), None)
+            del self._wanted[req_id]
 
     def has_captures(self, req_id: str) -> bool:
         return req_id in self._entries
 
-    def prepare_step(self, input_batch, tok_slot: torch.Tensor, dummy_run: bool) -> None:
+    def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str]]:
+        """(batch row, request id) of the requests that may capture in this step."""
+        return [] if dummy_run else wanted_in_step(self._wanted, input_batch)
+
+    def prepare_step(self, input_batch, tok_slot: torch.Tensor, dummy_run: bool,
+                     capturing: list[tuple[int, str]] | None = None) -> None:
         """Choose buffer rows for this step, on the device. tok_slot is already routed."""
         t = self.t
-        capturing = [] if dummy_run else [
-            (i, r) for i, r in enumerate(input_batch.req_ids) if r in self._entries]
+        if capturing is None:
+            capturing = self.step_requests(input_batch, dummy_run)
         if not capturing:
             if not self._idle:
                 t.cap_dst.fill_(t.rows)
@@ -145,10 +158,11 @@ class CaptureScheduler:
         pos = input_batch.positions[:n].long().clamp(0, self.max_len - 1)
         tokens = torch.arange(n, device=slot.device)
         want = torch.zeros((num_sites, n), dtype=torch.int32, device=slot.device)
-        for c in range(t.cap_site.shape[1]):
-            site = t.cap_site[slot, c]
-            on = (site >= 0) & position_bit(t.cap_pos[slot, c], pos)
-            want.index_put_((site.long().clamp(min=0), tokens), on.int(), accumulate=True)
+        # All entries at once: a fixed number of kernels per step, whatever max_captures.
+        site = t.cap_site[slot].long()  # [n, C]
+        on = (site >= 0) & entry_bits(t.cap_pos, slot, pos)
+        want.index_put_((site.clamp(min=0), tokens[:, None].expand_as(site)), on.int(),
+                        accumulate=True)
         flat = (want > 0).flatten()
         index = torch.cumsum(flat, 0) - 1
         dst = torch.where(flat & (index < t.rows), index, t.rows)

@@ -131,10 +131,6 @@ class GraphtapHookManager(HookManager):
         if self.pattern is not None:
             self.pattern.remove_request(req_id)
 
-    def _captures(self, req_id) -> bool:
-        return self.capture.has_captures(req_id) or (
-            self.pattern is not None and self.pattern.has_patterns(req_id))
-
     def bind_kv_caches(self, block_tables, kv_cache_config) -> None:
         """Give the pattern op each pattern layer's paged keys and block table."""
         if self.pattern is None:
@@ -159,11 +155,17 @@ class GraphtapHookManager(HookManager):
         bind_key_caches(caches)
 
     def prepare_step(self, input_batch, dummy_run) -> None:
-        self.scheduler.prepare_step(input_batch, dummy_run, self._captures)
-        self.capture.prepare_step(input_batch, self.tables.tok_slot, dummy_run)
+        # Host-side first: which requests capture in this step (a request that wants
+        # only prompt positions costs nothing while it decodes).
+        rows = self.capture.step_requests(input_batch, dummy_run)
+        pattern_rows = [] if self.pattern is None else \
+            self.pattern.step_requests(input_batch, dummy_run)
+        now = {r for _, r in rows} | {r for _, r in pattern_rows}
+        self.scheduler.prepare_step(input_batch, dummy_run, now.__contains__)
+        self.capture.prepare_step(input_batch, self.tables.tok_slot, dummy_run, rows)
         if self.pattern is not None:
             self.pattern.prepare_step(input_batch, self.tables.tok_slot, self.tables.tok_row,
-                                      dummy_run)
+                                      dummy_run, pattern_rows)
 
     def prepare_capture(self) -> None:
         self.scheduler.deactivate()

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from graphtap.capture_scheduler import OVERFLOW_KEY
-from graphtap.scheduler import position_bitmap
+from graphtap.scheduler import position_bitmap, position_mask, wanted_in_step
 from graphtap.sites import SiteTable
-from graphtap.tables import PatternTables, host_to_device, position_bit
+from graphtap.tables import PatternTables, entry_bits, host_to_device
 
 PATTERN = "attn_pattern"
 OVERFLOW_PATTERN = 1  # third field of the overflow flag: which buffer overflowed
@@ -60,7 +60,7 @@ class PatternSnapshot:
             # pieces from different steps, whose widths differ (frontend: unpack_patterns).
             ragged = data[causal[:, None, :].expand_as(data)]
             name = self.site_names[site]
-            out.setdefault(req, {})[name] = ragged.to(dtype).contiguous()
+            out.setdefault(req, {})[name] = ragged.to(dtype, copy=True)  # see CaptureSnapshot
             out[req][f"{name}@positions"] = torch.from_numpy(pos.copy())
         return out
 
@@ -77,6 +77,7 @@ class PatternScheduler:
         self._columns: dict[str, int] = {}  # req_id -> entries used (columns 0..n-1)
         self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> (dtype, heads)
         self._slot_of: dict[str, int] = {}
+        self._wanted: dict[str, np.ndarray] = {}  # req_id -> positions any entry wants
         self._step: tuple | None = None
         self._idle = True
 
@@ -88,6 +89,7 @@ class PatternScheduler:
         pos = np.zeros((c, words), np.int32)
         heads = np.zeros((c, num_heads), bool)
         formats = {}
+        wanted = np.zeros(self.max_len, dtype=bool)
         entries = [e for e in (hooks or {}).get("capture", []) if e["kind"] == PATTERN]
         for i, cap in enumerate(entries):
             sid = self.sites.id_for_slot(cap["layer"], cap["kind"])
@@ -95,6 +97,7 @@ class PatternScheduler:
                 raise RuntimeError(f"graphtap: site {cap['name']} is not configured")
             site[i] = sid
             pos[i] = position_bitmap(cap["positions"], prompt_len, self.max_len, words)
+            wanted |= position_mask(cap["positions"], prompt_len, self.max_len)
             chosen = cap.get("heads") or list(range(num_heads))
             heads[i, chosen] = True
             dtype = self.model_dtype if cap["dtype"] == "model" else torch.float32
@@ -106,21 +109,27 @@ class PatternScheduler:
             self._columns[req_id] = len(entries)
             self._formats[slot] = formats
             self._slot_of[req_id] = slot
+            self._wanted[req_id] = wanted
 
     def remove_request(self, req_id: str) -> None:
         if self._rows_per_token.pop(req_id, None) is not None:
             self._columns.pop(req_id)
             self._formats.pop(self._slot_of.pop(req_id), None)
+            del self._wanted[req_id]
 
     def has_patterns(self, req_id: str) -> bool:
         return req_id in self._rows_per_token
 
+    def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str]]:
+        """(batch row, request id) of the requests that may capture patterns this step."""
+        return [] if dummy_run else wanted_in_step(self._wanted, input_batch)
+
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, tok_row: torch.Tensor,
-                     dummy_run: bool) -> None:
+                     dummy_run: bool, active: list[tuple[int, str]] | None = None) -> None:
         """Route rows for this step on the device; tok_slot and tok_row are routed."""
         t = self.t
-        active = [] if dummy_run else [
-            (i, r) for i, r in enumerate(input_batch.req_ids) if r in self._rows_per_token]
+        if active is None:
+            active = self.step_requests(input_batch, dummy_run)
         if not active:
             if not self._idle:
                 t.route[:, 0].fill_(-1)
@@ -133,7 +142,7 @@ class PatternScheduler:
         dev = slot.device
         columns = max(self._columns[r] for _, r in active)
         site = t.pat_site[slot, :columns].T.long()  # [entries, tokens]
-        on = torch.stack([position_bit(t.pat_pos[slot, c], pos) for c in range(columns)])
+        on = entry_bits(t.pat_pos[:, :columns], slot, pos).T
         want = ((site >= 0) & on).unsqueeze(2) & t.pat_heads[slot, :columns].transpose(0, 1)
         num_heads = want.shape[2]
         flat = want.flatten()

@@ -16,8 +16,9 @@ from graphtap.tables import SteerTables, host_to_device
 from graphtap.vectors import VectorBank
 
 
-def position_bitmap(rule, prompt_len: int, max_len: int, words: int) -> np.ndarray:
-    mask = np.zeros(words * 32, dtype=bool)
+def position_mask(rule, prompt_len: int, max_len: int, size: int | None = None) -> np.ndarray:
+    """A position rule as a bool array over positions 0..size-1 (default max_len)."""
+    mask = np.zeros(size or max_len, dtype=bool)
     if rule == "all":
         mask[:max_len] = True
     elif rule == "prompt":
@@ -30,9 +31,35 @@ def position_bitmap(rule, prompt_len: int, max_len: int, words: int) -> np.ndarr
         mask[rule["start"]:rule["end"]] = True
     else:
         mask[np.asarray(rule, dtype=np.int64)] = True
+    return mask
+
+
+def position_bitmap(rule, prompt_len: int, max_len: int, words: int) -> np.ndarray:
+    mask = position_mask(rule, prompt_len, max_len, words * 32)
     # Bit j of word w is position 32*w + j, as the op reads it.
     bits = mask.reshape(words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
     return bits.sum(axis=1).astype(np.uint32).view(np.int32)
+
+
+def wanted_in_step(masks: dict[str, np.ndarray], input_batch) -> list[tuple[int, str]]:
+    """(batch row, request id) of the requests whose wanted positions (host masks) may
+    fall in this step's tokens. A host-side skip only, so it may err towards routing:
+    with speculative decoding the host's computed-token count can run ahead by the
+    rejected drafts. Requests that want nothing now (a last_prompt capture while
+    decoding) then cost nothing on the device."""
+    computed = getattr(input_batch, "num_computed_tokens_np", None)
+    rows = [(i, r) for i, r in enumerate(input_batch.req_ids) if r in masks]
+    if computed is None:
+        return rows
+    drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+    out = []
+    for i, r in rows:
+        slack = int(drafts[i]) if drafts is not None else 0
+        lo = max(int(computed[i]) - slack, 0)
+        hi = int(computed[i]) + int(input_batch.num_scheduled_tokens[i])
+        if masks[r][lo:hi].any():
+            out.append((i, r))
+    return out
 
 
 class SteerScheduler:

@@ -25,6 +25,14 @@ def position_bit(bitmaps: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return ((word >> (pos & 31)) & 1) == 1
 
 
+def entry_bits(bitmaps: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """bitmaps [R+1, C, W] (per slot and entry), slot and pos [n] -> [n, C]: whether each
+    token's position is set in each entry of its slot (only the one word is gathered)."""
+    entries = torch.arange(bitmaps.shape[1], device=pos.device)
+    word = bitmaps[slot[:, None], entries[None, :], (pos >> 5)[:, None]]
+    return ((word >> (pos & 31)[:, None]) & 1) == 1
+
+
 def host_to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on its way into a table row, without stalling the stream: pinned
     (caching host allocator, so safe with non_blocking) where the device is a GPU."""
