@@ -141,3 +141,21 @@ def test_overflow_is_reported_not_dropped():
     snap = s.collect(False)
     flag = snap.per_request()["a"]["graphtap:overflow"].tolist()
     assert flag == [30 * HQ, P, 1]
+
+
+def test_steps_that_capture_nothing_route_nothing():
+    """Host-side skip: a request wanting only its last prompt position costs no device
+    work while it decodes; a chunk that holds the position, or no host view, routes."""
+    from graphtap.scheduler import position_mask, wanted_in_step
+
+    masks = {"probe": position_mask("last_prompt", 10, L), "all": position_mask("all", 10, L)}
+    step = lambda computed, scheduled, drafts=None: SimpleNamespace(  # noqa: E731
+        req_ids=["probe", "all", "plain"], num_computed_tokens_np=np.array(computed),
+        num_scheduled_tokens=np.array(scheduled), num_draft_tokens_per_req=drafts)
+    assert wanted_in_step(masks, step([0, 0, 0], [6, 6, 6])) == [(1, "all")]  # chunk 1
+    assert wanted_in_step(masks, step([6, 6, 6], [4, 4, 4])) == [(0, "probe"), (1, "all")]
+    assert wanted_in_step(masks, step([12, 12, 12], [1, 1, 1])) == [(1, "all")]  # decoding
+    # Spec decode: the host count may run ahead by rejected drafts; the window widens.
+    assert wanted_in_step(masks, step([11, 11, 11], [3, 3, 3], np.array([2, 2, 0]))) == \
+        [(0, "probe"), (1, "all")]
+    assert wanted_in_step(masks, SimpleNamespace(req_ids=["probe"])) == [(0, "probe")]

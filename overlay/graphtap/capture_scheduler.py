@@ -157,13 +157,15 @@ class CaptureScheduler:
         slot = tok_slot[:n]
         pos = input_batch.positions[:n].long().clamp(0, self.max_len - 1)
         tokens = torch.arange(n, device=slot.device)
-        want = torch.zeros((num_sites, n), dtype=torch.int32, device=slot.device)
         # All entries at once: a fixed number of kernels per step, whatever max_captures.
+        # A request names each site once, so active (site, token) pairs never collide and
+        # a plain index_put_ suffices; inactive entries write into an extra, dropped row.
+        # (accumulate=True would take CUDA's sort-based path every step.)
         site = t.cap_site[slot].long()  # [n, C]
         on = (site >= 0) & entry_bits(t.cap_pos, slot, pos)
-        want.index_put_((site.clamp(min=0), tokens[:, None].expand_as(site)), on.int(),
-                        accumulate=True)
-        flat = (want > 0).flatten()
+        want = torch.zeros((num_sites + 1, n), dtype=torch.bool, device=slot.device)
+        want.index_put_((torch.where(on, site, num_sites), tokens[:, None].expand_as(site)), on)
+        flat = want[:num_sites].flatten()
         index = torch.cumsum(flat, 0) - 1
         dst = torch.where(flat & (index < t.rows), index, t.rows)
         t.cap_dst[:, :n].copy_(dst.view(num_sites, n))

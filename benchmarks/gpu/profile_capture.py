@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Where does a capturing step's time go? One in-process engine (worker included, so
+torch.profiler sees the runner's host side and the hook manager), one burst of requests
+per bench mode (idle, hs, qk, mixed: the same specs as bench_tpot.py), wall time and
+decode TPOT per mode, and for each capturing mode the host calls that stall a step
+(stream/device synchronisations, pinned allocations, blocking copies) with the top host
+ops. Writes $OUT/profile-capture.json; `--cpu` runs the same logic on the tiny model.
+
+    PYTHONPATH=/tmp/vllm-site/patched:/tmp/vllm-site/deps:$GT_SITE \\
+        python3 benchmarks/gpu/profile_capture.py --model qwen2-1.5b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+from bench_tpot import ARCHS, hs_layers, mode_hooks, model_dir, qk_layers, steer_layer  # noqa: E402
+
+STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+          "cudaHostAlloc", "cudaFreeHost", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",
+          "aten::nonzero", "cudaMallocHost")
+
+
+def engine(path: str, cfg: dict, cpu: bool):
+    from vllm import LLM
+
+    sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
+    sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
+    sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
+    kw = dict(model=path, seed=0, max_model_len=400, max_num_seqs=64, hook_manager="graphtap",
+              hook_config={"sites": sorted(set(sites)), "max_captures": 16},
+              enable_prefix_caching=False)
+    if cpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        kw.update(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
+    else:
+        kw.update(dtype="bfloat16", gpu_memory_utilization=0.8, load_format="dummy",
+                  skip_tokenizer_init=True,
+                  compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    return LLM(**kw)
+
+
+def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
+    from vllm import SamplingParams
+
+    rng = np.random.default_rng(1)
+    vec = (rng.normal(size=cfg["hidden_size"]) * 0.1).astype(np.float32).tolist()
+    hooks = mode_hooks(mode, cfg, vec)
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0,
+                            **({"hooks": hooks} if hooks else {}))
+    prompts = [{"prompt_token_ids": rng.integers(10, cfg["vocab_size"] - 10, in_len).tolist()}
+               for _ in range(n)]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [params] * n, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    errors = [o.hooks.error for o in outs if o.hooks is not None and o.hooks.error]
+    return {"mode": mode, "wall_s": wall, "errors": errors[:1]}
+
+
+def main() -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="qwen2-1.5b")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--requests", type=int, default=16)
+    args = ap.parse_args()
+    if args.cpu:
+        args.model = "tiny"
+    path, cfg = model_dir(args.model)
+    llm = engine(path, cfg, args.cpu)
+    in_len, out_len = (16, 8) if args.cpu else (256, 64)
+    burst(llm, cfg, "idle", args.requests, in_len, out_len)  # warm-up
+    result = {"model": args.model, "requests": args.requests, "in": in_len, "out": out_len,
+              "modes": []}
+    activities = [ProfilerActivity.CPU] + ([] if args.cpu else [ProfilerActivity.CUDA])
+    for mode in ("idle", "hs", "qk", "mixed", "idle"):
+        r = burst(llm, cfg, mode, args.requests, in_len, out_len)
+        with profile(activities=activities) as prof:
+            r2 = burst(llm, cfg, mode, args.requests, in_len, out_len)
+        r["wall_profiled_s"] = r2["wall_s"]
+        events = prof.key_averages()
+        r["stalls"] = {e.key: {"count": e.count, "cpu_ms": e.cpu_time_total / 1000}
+                       for e in events if any(s in e.key for s in STALLS)}
+        r["top_host_ops"] = [(e.key, e.count, round(e.self_cpu_time_total / 1000, 2))
+                             for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]
+        result["modes"].append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "top_host_ops"}), flush=True)
+    out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile-capture.json").write_text(json.dumps(result, indent=1))
+    del llm
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
