@@ -87,3 +87,22 @@ def test_scheduler_step(benchmark, num_reqs):
         return cap.collect(b, False)
 
     benchmark(step)
+
+
+@pytest.mark.parametrize("context", [256, 2048])
+def test_pattern_op(benchmark, context):
+    """Attention patterns of 32 (query, head) rows over `context` keys, from a paged
+    cache (torch reference; the GPU runs the Triton kernel)."""
+    from graphtap.ops.pattern import KeyCache, pattern_reference
+    from graphtap.tables import PatternTables
+
+    heads, kv_heads, dim, bs = 32, 8, 128, 32
+    blocks = context // bs * 4
+    t = PatternTables.allocate(max_reqs=R, max_captures=4, num_heads=heads, rows=256,
+                               max_len=L, device="cpu")
+    for i in range(32):  # 4 requests x 8 heads, last position
+        t.route[i] = torch.tensor([0, i // 8, i % 8 * 4, i // 8, context - 1, i // 8])
+    table = torch.arange(blocks, dtype=torch.int32).view(4, -1)
+    kc = KeyCache(torch.randn(blocks, bs, kv_heads, dim), table, dim ** -0.5, heads // kv_heads)
+    q = torch.randn(4, heads, dim)
+    benchmark(pattern_reference, t, q, kc, 0)
