@@ -38,68 +38,128 @@ class StepSnapshots:
         return out
 
 
-class CaptureSnapshot:
-    """One step's captures: cloned on the main stream, copied to the host on the output
-    copy stream, split per request once the copy is done (HookManager.collect)."""
+class LabelledSnapshot:
+    """One step's labelled device rows (captures or patterns): cloned on the main stream,
+    copied to the host on the output copy stream, split per request once the copy is
+    done (HookManager.collect). Subclasses say how labels sort and what a group becomes."""
 
-    def __init__(self, rows, meta, count, slot_to_req, formats, site_names, capacity):
-        self.rows, self.meta, self.count = rows, meta, count
+    OVERFLOW_KIND = 0  # third field of the overflow flag: 0 capture rows, 1 pattern rows
+
+    def __init__(self, rows, labels, count, slot_to_req, formats, site_names, capacity):
+        self.rows, self.labels, self.count = rows, labels, count
         self.slot_to_req, self.formats, self.site_names = slot_to_req, formats, site_names
         self.capacity = capacity
 
     def to_cpu_nonblocking(self) -> None:
         self.rows = self.rows.to("cpu", non_blocking=True)
-        self.meta = self.meta.to("cpu", non_blocking=True)
+        self.labels = self.labels.to("cpu", non_blocking=True)
         self.count = self.count.to("cpu", non_blocking=True)
 
-    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+    def overflow(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Rows were lost: say so for every capturing request (never a partial result)."""
         wanted = int(self.count[0])
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        if wanted > self.capacity:  # rows were lost: say so for every capturing request
-            flag = torch.tensor([wanted, self.capacity, 0], dtype=torch.int64)
-            return {req: {OVERFLOW_KEY: flag} for req in self.slot_to_req.values()}
-        used = min(wanted, self.rows.shape[0])
-        meta = self.meta[:used].numpy()
-        order = np.lexsort((meta[:, 2], meta[:, 1], meta[:, 0]))  # slot, site, position
-        meta = meta[order]
-        rows = self.rows[:used][torch.from_numpy(order)]
-        keys = meta[:, 0] * 1_000_003 + meta[:, 1]
+        if wanted <= self.capacity:
+            return None
+        flag = torch.tensor([wanted, self.capacity, self.OVERFLOW_KIND], dtype=torch.int64)
+        return {req: {OVERFLOW_KEY: flag} for req in self.slot_to_req.values()}
+
+    def groups(self, order: tuple[int, ...], slot_col: int, site_col: int):
+        """Rows sorted by the label columns `order` (most significant first), as
+        (request id, slot, site, labels, rows) per (slot, site) of a live request."""
+        used = min(int(self.count[0]), self.rows.shape[0])
+        labels = self.labels[:used].numpy()
+        perm = np.lexsort(tuple(labels[:, c] for c in reversed(order)))
+        labels, rows = labels[perm], self.rows[:used][torch.from_numpy(perm)]
+        keys = labels[:, slot_col] * 1_000_003 + labels[:, site_col]
         starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if used else []
-        for k, start in enumerate(starts):
-            end = starts[k + 1] if k + 1 < len(starts) else used
-            slot, site = int(meta[start, 0]), int(meta[start, 1])
+        for start, end in zip(starts, [*starts[1:], used]):
+            slot, site = int(labels[start, slot_col]), int(labels[start, site_col])
             req = self.slot_to_req.get(slot)
-            if req is None:
-                continue
+            if req is not None:
+                yield req, slot, site, labels[start:end], rows[start:end]
+
+
+class CaptureSnapshot(LabelledSnapshot):
+    """Labels: (slot, site, position) per row."""
+
+    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+        lost = self.overflow()
+        if lost is not None:
+            return lost
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for req, slot, site, labels, rows in self.groups((0, 1, 2), 0, 1):
             name = self.site_names[site]
             dtype, width, heads, head_dim = self.formats[(slot, site)]
-            data = rows[start:end, :width]
+            data = rows[:, :width]
             if head_dim:  # attention sites: [rows, heads, head_dim], chosen heads only
-                data = data.reshape(end - start, -1, head_dim)
+                data = data.reshape(len(labels), -1, head_dim)
                 data = data[:, heads] if heads is not None else data
             # A copy: a view would pin the step's whole host buffer (pinned memory, from
             # the caching host allocator) until the request finishes.
             out.setdefault(req, {})[name] = data.to(dtype, copy=True,
                                                     memory_format=torch.contiguous_format)
-            out[req][f"{name}@positions"] = torch.from_numpy(meta[start:end, 2].copy())
+            out[req][f"{name}@positions"] = torch.from_numpy(labels[:, 2].copy())
         return out
 
 
-class CaptureScheduler:
-    def __init__(self, tables: CaptureTables, sites: SiteTable, max_len: int,
-                 model_dtype: torch.dtype, device: torch.device, widths: dict[str, tuple]):
+class RequestEntries:
+    """Per-request bookkeeping shared by row captures and attention patterns: the slot a
+    request holds, its output format per site, the positions any of its entries wants
+    (for the host-side step skip), and the current step's (slot -> request, row bound)."""
+
+    def __init__(self, tables, sites: SiteTable, max_len: int, model_dtype: torch.dtype,
+                 device: torch.device):
         self.t = tables
         self.sites = sites
-        self.widths = widths  # kind -> (row width, head_dim or 0)
         self.max_len = max_len
         self.model_dtype = model_dtype
         self.device = device
-        self._entries: dict[str, int] = {}  # req_id -> number of capture entries
         self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
         self._slot_of: dict[str, int] = {}
         self._wanted: dict[str, np.ndarray] = {}  # req_id -> positions any entry wants
         self._step: tuple | None = None  # (slot -> req_id, row bound) of the current step
         self._idle = True
+
+    def _entry(self, cap: dict, prompt_len: int, words: int):
+        """One capture entry -> (site id, position bitmap, position mask, output dtype)."""
+        sid = self.sites.id_for_slot(cap["layer"], cap["kind"])
+        if sid is None:  # the frontend checks this; a mismatch must not go unnoticed
+            raise RuntimeError(f"graphtap: site {cap['name']} is not configured")
+        rule = cap["positions"]
+        dtype = self.model_dtype if cap["dtype"] == "model" else torch.float32
+        return (sid, position_bitmap(rule, prompt_len, self.max_len, words),
+                position_mask(rule, prompt_len, self.max_len), dtype)
+
+    def _keep(self, req_id: str, slot: int, formats: dict, wanted: np.ndarray) -> None:
+        self._formats[slot] = formats
+        self._slot_of[req_id] = slot
+        self._wanted[req_id] = wanted
+
+    def _forget(self, req_id: str) -> None:
+        self._formats.pop(self._slot_of.pop(req_id), None)
+        del self._wanted[req_id]
+
+    def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str]]:
+        """(batch row, request id) of the requests that may capture in this step."""
+        return [] if dummy_run else wanted_in_step(self._wanted, input_batch)
+
+    def _snapshot(self, cls, rows: torch.Tensor, labels: torch.Tensor, dummy_run: bool):
+        if dummy_run or self._step is None:
+            return None
+        slot_to_req, bound = self._step
+        formats = {(s, site): f for s in slot_to_req for site, f in self._formats[s].items()}
+        names = {i: s.name for i, s in enumerate(self.sites.sites)}
+        # Clones on the main stream: the next step reuses the buffer (async scheduling).
+        return cls(rows[:bound].clone(), labels[:bound].clone(), self.t.count.clone(),
+                   slot_to_req, formats, names, self.t.rows)
+
+
+class CaptureScheduler(RequestEntries):
+    def __init__(self, tables: CaptureTables, sites: SiteTable, max_len: int,
+                 model_dtype: torch.dtype, device: torch.device, widths: dict[str, tuple]):
+        super().__init__(tables, sites, max_len, model_dtype, device)
+        self.widths = widths  # kind -> (row width, head_dim or 0)
+        self._entries: dict[str, int] = {}  # req_id -> number of capture entries
 
     def add_request(self, slot: int, req_id: str, prompt_len: int, hooks: dict | None) -> None:
         self.remove_request(req_id)
@@ -111,34 +171,22 @@ class CaptureScheduler:
         # Attention patterns have their own tables (pattern_scheduler.py).
         entries = [e for e in (hooks or {}).get("capture", []) if e["kind"] != "attn_pattern"]
         for i, cap in enumerate(entries):
-            sid = self.sites.id_for_slot(cap["layer"], cap["kind"])
-            if sid is None:
-                raise RuntimeError(f"graphtap: site {cap['name']} is not configured")
-            site[i] = sid
-            pos[i] = position_bitmap(cap["positions"], prompt_len, self.max_len, words)
-            wanted |= position_mask(cap["positions"], prompt_len, self.max_len)
+            site[i], pos[i], mask, dtype = self._entry(cap, prompt_len, words)
+            wanted |= mask
             width, head_dim = self.widths[cap["kind"]]
-            dtype = self.model_dtype if cap["dtype"] == "model" else torch.float32
-            formats[sid] = (dtype, width, cap.get("heads"), head_dim)
+            formats[int(site[i])] = (dtype, width, cap.get("heads"), head_dim)
         self.t.cap_site[slot].copy_(host_to_device(site, self.device), non_blocking=True)
         self.t.cap_pos[slot].copy_(host_to_device(pos, self.device), non_blocking=True)
         if entries:
             self._entries[req_id] = len(entries)
-            self._formats[slot] = formats
-            self._slot_of[req_id] = slot
-            self._wanted[req_id] = wanted
+            self._keep(req_id, slot, formats, wanted)
 
     def remove_request(self, req_id: str) -> None:
         if self._entries.pop(req_id, None) is not None:
-            self._formats.pop(self._slot_of.pop(req_id), None)
-            del self._wanted[req_id]
+            self._forget(req_id)
 
     def has_captures(self, req_id: str) -> bool:
         return req_id in self._entries
-
-    def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str]]:
-        """(batch row, request id) of the requests that may capture in this step."""
-        return [] if dummy_run else wanted_in_step(self._wanted, input_batch)
 
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, dummy_run: bool,
                      capturing: list[tuple[int, str]] | None = None) -> None:
@@ -182,12 +230,4 @@ class CaptureScheduler:
         self._step = (slot_to_req, min(bound, t.rows))
 
     def collect(self, input_batch, dummy_run: bool) -> CaptureSnapshot | None:
-        if dummy_run or self._step is None:
-            return None
-        slot_to_req, bound = self._step
-        t = self.t
-        formats = {(s, site): f for s in slot_to_req for site, f in self._formats[s].items()}
-        names = {i: s.name for i, s in enumerate(self.sites.sites)}
-        # Clones on the main stream: the next step reuses the buffer (async scheduling).
-        return CaptureSnapshot(t.buf[:bound].clone(), t.meta[:bound].clone(), t.count.clone(),
-                               slot_to_req, formats, names, t.rows)
+        return self._snapshot(CaptureSnapshot, self.t.buf, self.t.meta, dummy_run)

@@ -42,8 +42,24 @@ def host_to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     return src.to(device, non_blocking=True)
 
 
+class DeviceTables:
+    """Base of the fixed-address table sets: their device memory, for the start-up log."""
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in vars(self).values()
+                   if isinstance(v, torch.Tensor))
+
+
+class RowBuffer(DeviceTables):
+    """A table set whose `buf` has one trash row after its usable rows."""
+
+    @property
+    def rows(self) -> int:
+        return self.buf.shape[0] - 1
+
+
 @dataclass
-class SteerTables:
+class SteerTables(DeviceTables):
     tok_slot: torch.Tensor
     tok_row: torch.Tensor
     ent_site: torch.Tensor
@@ -84,13 +100,9 @@ class SteerTables:
         )
         return t
 
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for v in vars(self).values()
-                   if isinstance(v, torch.Tensor))
-
 
 @dataclass
-class CaptureTables:
+class CaptureTables(RowBuffer):
     """Capture routing and storage (C capture entries per slot, S sites, K rows):
       cap_site[R+1, C]   site id of each entry, -1 = unused
       cap_pos[R+1, C, W] position bitmap per entry
@@ -107,10 +119,6 @@ class CaptureTables:
     meta: torch.Tensor
     count: torch.Tensor
 
-    @property
-    def rows(self) -> int:
-        return self.buf.shape[0] - 1
-
     @classmethod
     def allocate(cls, *, max_reqs: int, max_tokens: int, max_captures: int, num_sites: int,
                  rows: int, hidden: int, max_len: int, device) -> "CaptureTables":
@@ -125,13 +133,9 @@ class CaptureTables:
             count=torch.zeros((1,), **i64),
         )
 
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for v in vars(self).values()
-                   if isinstance(v, torch.Tensor))
-
 
 @dataclass
-class PatternTables:
+class PatternTables(RowBuffer):
     """Attention-pattern capture (C entries per slot, Hq query heads, P rows, L keys):
       pat_site[R+1, C]      site id of each pattern entry, -1 = unused
       pat_pos[R+1, C, W]    query-position bitmap per entry
@@ -149,10 +153,6 @@ class PatternTables:
     buf: torch.Tensor
     count: torch.Tensor
 
-    @property
-    def rows(self) -> int:
-        return self.buf.shape[0] - 1
-
     @classmethod
     def allocate(cls, *, max_reqs: int, max_captures: int, num_heads: int, rows: int,
                  max_len: int, device) -> "PatternTables":
@@ -167,7 +167,3 @@ class PatternTables:
             buf=torch.zeros((rows + 1, max_len), dtype=torch.float32, device=device),
             count=torch.zeros((1,), dtype=torch.int64, device=device),
         )
-
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for v in vars(self).values()
-                   if isinstance(v, torch.Tensor))

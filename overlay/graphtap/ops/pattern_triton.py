@@ -15,6 +15,18 @@ BLOCK_N = 64
 
 
 @triton.jit
+def _block_scores(k_head, qv, bt_ptr, brow, s_bt, start, n_keys, sk_b, sk_n, sk_d, d, dm, scale,
+                  BS, BLOCK_N: tl.constexpr):
+    """Scaled scores of keys start..start+BLOCK_N (-inf past n_keys) and their offsets."""
+    j = start + tl.arange(0, BLOCK_N)
+    jm = j < n_keys
+    blk = tl.load(bt_ptr + brow * s_bt + j // BS, mask=jm, other=0).to(tl.int64)
+    kp = k_head + blk[:, None] * sk_b + (j % BS)[:, None] * sk_n + d[None, :] * sk_d
+    k = tl.load(kp, mask=jm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    return j, jm, tl.where(jm, tl.sum(k * qv[None, :], 1) * scale, float("-inf"))
+
+
+@triton.jit
 def _pattern_kernel(route_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
                     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, s_bt, s_buf, D, BS, GROUP,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -31,23 +43,15 @@ def _pattern_kernel(route_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
         k_head = k_ptr + (head // GROUP) * sk_h
         m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
         l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
-        for start in range(0, n_keys, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            jm = j < n_keys
-            blk = tl.load(bt_ptr + brow * s_bt + j // BS, mask=jm, other=0).to(tl.int64)
-            kp = k_head + blk[:, None] * sk_b + (j % BS)[:, None] * sk_n + d[None, :] * sk_d
-            k = tl.load(kp, mask=jm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            s = tl.where(jm, tl.sum(k * qv[None, :], 1) * scale, float("-inf"))
+        for start in range(0, n_keys, BLOCK_N):  # online max and sum
+            j, jm, s = _block_scores(k_head, qv, bt_ptr, brow, s_bt, start, n_keys, sk_b, sk_n,
+                                     sk_d, d, dm, scale, BS, BLOCK_N)
             m_new = tl.maximum(m_i, tl.max(s, 0))
             l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), 0)
             m_i = m_new
-        for start in range(0, n_keys, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            jm = j < n_keys
-            blk = tl.load(bt_ptr + brow * s_bt + j // BS, mask=jm, other=0).to(tl.int64)
-            kp = k_head + blk[:, None] * sk_b + (j % BS)[:, None] * sk_n + d[None, :] * sk_d
-            k = tl.load(kp, mask=jm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            s = tl.sum(k * qv[None, :], 1) * scale
+        for start in range(0, n_keys, BLOCK_N):  # normalised probabilities
+            j, jm, s = _block_scores(k_head, qv, bt_ptr, brow, s_bt, start, n_keys, sk_b, sk_n,
+                                     sk_d, d, dm, scale, BS, BLOCK_N)
             tl.store(buf_ptr + row * s_buf + j, tl.exp(s - m_i) / l_i, mask=jm)
 
 
