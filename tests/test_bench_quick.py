@@ -11,15 +11,23 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_tpo
 
 @pytest.mark.parametrize("variant", ["stock", "graphtap"])
 def test_bench_tpot_quick(variant, tmp_path, llama_path):
-    modes = ["--modes", "idle,steer,hs,qk,mixed"] if variant == "graphtap" else []
+    modes = ["--modes", "idle,steer,hs,qk,mixed,dump"] if variant == "graphtap" else []
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--variant", variant,
                           "--out", str(tmp_path), *modes],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / f"tpot-tiny-{variant}-quick.json").read_text())
     modes = {r["mode"] for r in data["runs"]}
-    assert modes == ({"plain"} if variant == "stock" else {"idle", "steer", "hs", "qk", "mixed"})
+    assert modes == ({"plain"} if variant == "stock" else
+                     {"idle", "steer", "hs", "qk", "mixed", "dump"})
     assert all(r["tpot_ms_median"] > 0 for r in data["runs"])
+    # Rows per request (16 in, 8 out: 23 positions run; 4 layers, hs at 1, 2, 3): hs 3;
+    # qk 4 q rows + 4 x 16 k rows; dump 3 x 23. Counted from what came back.
+    per_request = {"plain": 0, "idle": 0, "steer": 0, "hs": 3, "qk": 68, "mixed": 71, "dump": 69}
+    for r in data["runs"]:
+        assert r["capture_failed"] == 0
+        assert r["rows"] == per_request[r["mode"]] * r["requests"], r
+        assert r["rows_per_request_min"] == r["rows_per_request_max"] == per_request[r["mode"]]
     assert {r["rate"] for r in data["runs"]} == {8.0, "burst3"}
 
 

@@ -8,7 +8,9 @@ modes alternate inside that launch, so they share compile artifacts, graphs and 
 layout and differ only in table contents: idle (no hooks), steer (every request adds a
 vector at that site, all positions), hs (hidden states at 3 layers, last prompt token),
 qk (post-RoPE q at the last prompt token and k at every prompt token, 4 layers x 4
-heads), mixed (all of them). The configured sites are the union of the modes asked for.
+heads), mixed (all of them), dump (residuals at the hs layers at every position: the
+capture-throughput load, rows and bytes counted per run). The configured sites are the
+union of the modes asked for.
 
 Per (rate, repetition): N requests of IN prompt tokens and OUT output tokens
 (ignore_eos), arrivals Poisson at `rate` req/s, in-process AsyncLLM; a request's TPOT is
@@ -78,13 +80,17 @@ def engine_args(args, path: str, cfg: dict):
     if args.variant == "graphtap":
         modes = args.modes.split(",")
         sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
-        if {"hs", "mixed"} & set(modes):
+        if {"hs", "mixed", "dump"} & set(modes):
             sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
         if {"qk", "mixed"} & set(modes):
             sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
-        kw.update(hook_manager="graphtap",
-                  hook_config={"sites": sorted(set(sites)), "max_captures": 16})
+        kw.update(hook_manager="graphtap", hook_config=hook_config(sites))
     return AsyncEngineArgs(**kw)
+
+
+def hook_config(sites: list[str]) -> dict:
+    # dump captures 3 rows per token: room for a full prefill step of 16k tokens
+    return {"sites": sorted(set(sites)), "max_captures": 16, "capture_rows": 3 * 16384}
 
 
 def steer_layer(cfg: dict) -> int:
@@ -111,20 +117,34 @@ def mode_hooks(mode: str, cfg: dict, vec: list[float]) -> dict | None:
     qk = [c for layer in qk_layers(cfg) for c in (
         {"site": f"blocks.{layer}.attn.hook_q", "positions": "last_prompt", "heads": heads},
         {"site": f"blocks.{layer}.attn.hook_k", "positions": "prompt", "heads": heads})]
+    dump = [{"site": f"blocks.{layer}.hook_resid_post", "positions": "all"}
+            for layer in hs_layers(cfg)]
     return {"idle": None, "plain": None, "steer": {"steer": steer}, "hs": {"capture": hs},
-            "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk}}[mode]
+            "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk},
+            "dump": {"capture": dump}}[mode]
+
+
+def count_rows(hooks) -> tuple[int, int, int]:
+    """(rows, bytes, 1 if the request's captures failed) of one finished output."""
+    if hooks is None:
+        return 0, 0, 0
+    if getattr(hooks, "error", None):
+        return 0, 0, 1
+    return (sum(v.shape[0] for v in hooks.values()),
+            sum(v.numel() * v.element_size() for v in hooks.values()), 0)
 
 
 async def one_request(engine, rid: str, ids: list[int], params, start_at: float, t0: float):
     from vllm.inputs import TokensPrompt
 
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
-    times = []
+    times, last = [], None
     async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
         n = len(out.outputs[0].token_ids)
         now = time.perf_counter()
         times.extend([now] * (n - len(times)))
-    return times
+        last = out
+    return times, count_rows(getattr(last, "hooks", None))
 
 
 async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int = 0) -> dict:
@@ -145,13 +165,20 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
     tasks = [one_request(engine, f"r{rate}-{rep}-{i}-{time.monotonic_ns()}",
                          rng.integers(10, vocab - 10, args.input_len).tolist(), params,
                          float(starts[i]), t0) for i in range(n)]
-    all_times = await asyncio.gather(*tasks)
+    results = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    all_times = [t for t, _ in results]
+    rows, nbytes, failed = (sum(c[i] for _, c in results) for i in range(3))
+    per_request = [c[0] for _, c in results]
     tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in all_times if len(t) > 1]
     ttfts = [(t[0] - t0 - s) * 1000 for t, s in zip(all_times, starts) if t]
     return {"rate": f"burst{burst}" if burst else rate, "rep": rep, "requests": n,
             "tpot_ms_median": statistics.median(tpots),
             "tpot_ms_p90": float(np.percentile(tpots, 90)), "ttft_ms_median": statistics.median(ttfts),
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": wall, "rows": rows, "capture_bytes": nbytes, "capture_failed": failed,
+            "rows_per_s": rows / wall,
+            # a capturing request with no rows and no error would be a silent loss
+            "rows_per_request_min": min(per_request), "rows_per_request_max": max(per_request)}
 
 
 async def bench(args) -> dict:
@@ -264,7 +291,7 @@ def main() -> int:
     ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="llama3-8b")
     ap.add_argument("--variant", choices=["stock", "graphtap"], default="graphtap")
     ap.add_argument("--modes", default="idle,steer",
-                    help="graphtap modes, alternated: idle, steer, hs, qk, mixed")
+                    help="graphtap modes, alternated: idle, steer, hs, qk, mixed, dump")
     ap.add_argument("--rates", default="1,4,8,16")
     ap.add_argument("--bursts", default="", help="also: N requests at once, e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=3)

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Where does a capturing step's time go? One in-process engine (worker included, so
-torch.profiler sees the runner's host side and the hook manager), one burst of requests
-per bench mode (idle, hs, qk, mixed: the same specs as bench_tpot.py), wall time and
-decode TPOT per mode, and for each capturing mode the host calls that stall a step
-(stream/device synchronisations, pinned allocations, blocking copies) with the top host
-ops. Writes $OUT/profile-capture.json; `--cpu` runs the same logic on the tiny model.
+"""Where does a capturing step's time go, and how many rows per second can the courier
+return? One in-process engine (worker included, so torch.profiler sees the runner's host
+side and the hook manager; configured like bench_tpot.py's graphtap launch, so the
+compile cache is shared), one burst of requests per bench mode (idle, hs, qk, mixed,
+dump: the same specs as bench_tpot.py). Per mode: wall time, rows and bytes returned and
+rows/s (unprofiled run), then a profiled run: graphtap's named host ranges per step
+(prepare_step, to_cpu, per_request), the host calls that stall a step (stream/device
+synchronisations, pinned allocations, blocking copies) and the top host ops. Writes
+$OUT/profile-capture.json; `--cpu` runs the same logic on the tiny model.
 
     PYTHONPATH=/tmp/vllm-site/patched:/tmp/vllm-site/deps:$GT_SITE \\
         python3 benchmarks/gpu/profile_capture.py --model qwen2-1.5b
@@ -23,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from bench_tpot import ARCHS, hs_layers, mode_hooks, model_dir, qk_layers, steer_layer  # noqa: E402
+from bench_tpot import (ARCHS, count_rows, hook_config, hs_layers, mode_hooks,  # noqa: E402
+                        model_dir, qk_layers, steer_layer)
 
 STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
           "cudaHostAlloc", "cudaFreeHost", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",
@@ -37,13 +41,12 @@ def engine(path: str, cfg: dict, cpu: bool):
     sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
     sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
     kw = dict(model=path, seed=0, max_model_len=400, max_num_seqs=64, hook_manager="graphtap",
-              hook_config={"sites": sorted(set(sites)), "max_captures": 16},
-              enable_prefix_caching=False)
+              hook_config=hook_config(sites), enable_prefix_caching=False)
     if cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         kw.update(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
     else:
-        kw.update(dtype="bfloat16", gpu_memory_utilization=0.8, load_format="dummy",
+        kw.update(dtype="bfloat16", gpu_memory_utilization=0.85, load_format="dummy",
                   skip_tokenizer_init=True,
                   compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
     return LLM(**kw)
@@ -63,7 +66,9 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
     outs = llm.generate(prompts, [params] * n, use_tqdm=False)
     wall = time.perf_counter() - t0
     errors = [o.hooks.error for o in outs if o.hooks is not None and o.hooks.error]
-    return {"mode": mode, "wall_s": wall, "errors": errors[:1]}
+    rows, nbytes, _ = (sum(c) for c in zip(*(count_rows(o.hooks) for o in outs)))
+    return {"mode": mode, "wall_s": wall, "errors": errors[:1], "rows": rows,
+            "bytes": nbytes, "rows_per_s": rows / wall, "MB_per_s": nbytes / wall / 2**20}
 
 
 def main() -> int:
@@ -73,23 +78,32 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="qwen2-1.5b")
     ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--modes", default="idle,hs,qk,mixed,dump,idle")
     args = ap.parse_args()
     if args.cpu:
         args.model = "tiny"
     path, cfg = model_dir(args.model)
     llm = engine(path, cfg, args.cpu)
-    in_len, out_len = (16, 8) if args.cpu else (256, 64)
+    in_len, out_len = (16, 8) if args.cpu else (256, 128)
     burst(llm, cfg, "idle", args.requests, in_len, out_len)  # warm-up
     result = {"model": args.model, "requests": args.requests, "in": in_len, "out": out_len,
               "modes": []}
     activities = [ProfilerActivity.CPU] + ([] if args.cpu else [ProfilerActivity.CUDA])
-    for mode in ("idle", "hs", "qk", "mixed", "idle"):
+    for mode in args.modes.split(","):
         r = burst(llm, cfg, mode, args.requests, in_len, out_len)
         with profile(activities=activities) as prof:
             r2 = burst(llm, cfg, mode, args.requests, in_len, out_len)
         r["wall_profiled_s"] = r2["wall_s"]
         events = prof.key_averages()
+        steps = next((e.count for e in events if e.key == "graphtap.prepare_step"), 0)
+        r["steps"] = steps
+        per_step: dict[str, float] = {}
+        for e in events:  # a name may appear in several rows (CPU and device parts)
+            if e.key.startswith("graphtap."):
+                per_step[e.key] = per_step.get(e.key, 0.0) + e.cpu_time_total / 1000
+        r["graphtap_host_ms_per_step"] = {k: round(v / max(steps, 1), 4)
+                                          for k, v in per_step.items()}
         r["stalls"] = {e.key: {"count": e.count, "cpu_ms": e.cpu_time_total / 1000}
                        for e in events if any(s in e.key for s in STALLS)}
         r["top_host_ops"] = [(e.key, e.count, round(e.self_cpu_time_total / 1000, 2))

@@ -13,11 +13,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from graphtap.scheduler import position_bitmap, position_mask, wanted_in_step
+from graphtap.scheduler import Wants, position_bitmap, rows_in_step
 from graphtap.sites import SiteTable
 from graphtap.tables import CaptureTables, entry_bits, host_to_device
 
-OVERFLOW_KEY = "graphtap:overflow"  # value: [rows wanted, capacity, 0 rows | 1 patterns]
+# value: [rows wanted, capacity, kind]; kind 0 capture rows, 1 pattern rows, 2 the host's
+# row bound was short (a graphtap bug: reported, never a silent loss)
+OVERFLOW_KEY = "graphtap:overflow"
+BOUND_SHORT = 2
 
 
 class StepSnapshots:
@@ -26,15 +29,19 @@ class StepSnapshots:
     def __init__(self, parts):
         self.parts = parts
 
+    # Named ranges: profile_capture.py reads where the courier's host time goes.
     def to_cpu_nonblocking(self) -> None:
-        for part in self.parts:
-            part.to_cpu_nonblocking()
+        with torch.profiler.record_function("graphtap.to_cpu"):
+            for part in self.parts:
+                part.to_cpu_nonblocking()
 
     def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for part in self.parts:
-            for req, tensors in part.per_request().items():
-                out.setdefault(req, {}).update(tensors)
+        with torch.profiler.record_function("graphtap.per_request"):
+            for part in self.parts:
+                part.release_device()  # the copy is done (after the copy event)
+                for req, tensors in part.per_request().items():
+                    out.setdefault(req, {}).update(tensors)
         return out
 
 
@@ -51,32 +58,59 @@ class LabelledSnapshot:
         self.capacity = capacity
 
     def to_cpu_nonblocking(self) -> None:
+        # The device clones must stay referenced until the copy has run: the copy is
+        # queued on the output copy stream, and a block freed now would go back to the
+        # main stream's pool and be overwritten by the next step first (the garbage
+        # counts and lost rows seen on the H200 before this). Released in per_request,
+        # which runs after the copy event.
+        self._device = (self.rows, self.labels, self.count)
         self.rows = self.rows.to("cpu", non_blocking=True)
         self.labels = self.labels.to("cpu", non_blocking=True)
         self.count = self.count.to("cpu", non_blocking=True)
 
+    def release_device(self) -> None:
+        self._device = None
+
     def overflow(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """Rows were lost: say so for every capturing request (never a partial result)."""
         wanted = int(self.count[0])
-        if wanted <= self.capacity:
+        if wanted <= min(self.capacity, self.rows.shape[0]):
             return None
-        flag = torch.tensor([wanted, self.capacity, self.OVERFLOW_KIND], dtype=torch.int64)
+        kind = self.OVERFLOW_KIND if wanted > self.capacity else BOUND_SHORT
+        flag = torch.tensor([wanted, min(self.capacity, self.rows.shape[0]), kind],
+                            dtype=torch.int64)
         return {req: {OVERFLOW_KEY: flag} for req in self.slot_to_req.values()}
 
-    def groups(self, order: tuple[int, ...], slot_col: int, site_col: int):
+    def groups(self, order: tuple[int, ...], slot_col: int, site_col: int, source=None):
         """Rows sorted by the label columns `order` (most significant first), as
-        (request id, slot, site, labels, rows) per (slot, site) of a live request."""
+        (request id, slot, site, labels, rows) per (slot, site) of a live request. Rows
+        come from `source(slot, site)` (default: the step's pinned host copy): a view
+        where the device wrote the group in order (the usual case: a request's tokens
+        are adjacent in the batch), else a gathered copy."""
         used = min(int(self.count[0]), self.rows.shape[0])
         labels = self.labels[:used].numpy()
         perm = np.lexsort(tuple(labels[:, c] for c in reversed(order)))
-        labels, rows = labels[perm], self.rows[:used][torch.from_numpy(perm)]
+        labels = labels[perm]
         keys = labels[:, slot_col] * 1_000_003 + labels[:, site_col]
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if used else []
-        for start, end in zip(starts, [*starts[1:], used]):
-            slot, site = int(labels[start, slot_col]), int(labels[start, site_col])
+        if not used:
+            return
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        ends = np.r_[starts[1:], used]
+        # A group is a plain slice when its rows sit in order in the buffer: no break
+        # (a step other than +1 in perm) inside it. Vectorised: one pass per step, not
+        # per group (a decode step of 64 requests x 3 sites has 192 one-row groups).
+        breaks = np.r_[0, np.cumsum(np.diff(perm) != 1)]
+        in_order = (breaks[ends - 1] - breaks[starts]) == 0
+        for start, end, slot, site, plain, first in zip(
+                starts.tolist(), ends.tolist(), labels[starts, slot_col].tolist(),
+                labels[starts, site_col].tolist(), in_order.tolist(), perm[starts].tolist()):
             req = self.slot_to_req.get(slot)
-            if req is not None:
-                yield req, slot, site, labels[start:end], rows[start:end]
+            if req is None:
+                continue
+            src = self.rows if source is None else source(slot, site)
+            rows = src[first:first + end - start] if plain else \
+                src[torch.from_numpy(perm[start:end])]
+            yield req, slot, site, labels[start:end], rows
 
 
 class CaptureSnapshot(LabelledSnapshot):
@@ -87,17 +121,26 @@ class CaptureSnapshot(LabelledSnapshot):
         if lost is not None:
             return lost
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for req, slot, site, labels, rows in self.groups((0, 1, 2), 0, 1):
+        # One conversion per output dtype for the whole step, out of the pinned buffer
+        # (which a view would keep from going back to the caching host allocator); the
+        # groups are views of it. Per-group copies cost ~50 us each on the H200 host,
+        # which at 64 requests x 3 sites per decode step made them the bottleneck.
+        converted: dict[torch.dtype, torch.Tensor] = {}
+
+        def source(slot: int, site: int) -> torch.Tensor:
+            dtype = self.formats[(slot, site)][0]
+            if dtype not in converted:
+                converted[dtype] = self.rows.to(dtype, copy=True)
+            return converted[dtype]
+
+        for req, slot, site, labels, rows in self.groups((0, 1, 2), 0, 1, source):
             name = self.site_names[site]
-            dtype, width, heads, head_dim = self.formats[(slot, site)]
+            _, width, heads, head_dim = self.formats[(slot, site)]
             data = rows[:, :width]
             if head_dim:  # attention sites: [rows, heads, head_dim], chosen heads only
                 data = data.reshape(len(labels), -1, head_dim)
                 data = data[:, heads] if heads is not None else data
-            # A copy: a view would pin the step's whole host buffer (pinned memory, from
-            # the caching host allocator) until the request finishes.
-            out.setdefault(req, {})[name] = data.to(dtype, copy=True,
-                                                    memory_format=torch.contiguous_format)
+            out.setdefault(req, {})[name] = data.contiguous()
             out[req][f"{name}@positions"] = torch.from_numpy(labels[:, 2].copy())
         return out
 
@@ -116,21 +159,21 @@ class RequestEntries:
         self.device = device
         self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
         self._slot_of: dict[str, int] = {}
-        self._wanted: dict[str, np.ndarray] = {}  # req_id -> positions any entry wants
-        self._step: tuple | None = None  # (slot -> req_id, row bound) of the current step
+        self._wanted: dict[str, Wants] = {}  # req_id -> positions its entries want
+        # (slot -> req_id, row bound, position bound) of the current step
+        self._step: tuple | None = None
         self._idle = True
 
     def _entry(self, cap: dict, prompt_len: int, words: int):
-        """One capture entry -> (site id, position bitmap, position mask, output dtype)."""
+        """One capture entry -> (site id, position bitmap, output dtype)."""
         sid = self.sites.id_for_slot(cap["layer"], cap["kind"])
         if sid is None:  # the frontend checks this; a mismatch must not go unnoticed
             raise RuntimeError(f"graphtap: site {cap['name']} is not configured")
         rule = cap["positions"]
         dtype = self.model_dtype if cap["dtype"] == "model" else torch.float32
-        return (sid, position_bitmap(rule, prompt_len, self.max_len, words),
-                position_mask(rule, prompt_len, self.max_len), dtype)
+        return sid, position_bitmap(rule, prompt_len, self.max_len, words), dtype
 
-    def _keep(self, req_id: str, slot: int, formats: dict, wanted: np.ndarray) -> None:
+    def _keep(self, req_id: str, slot: int, formats: dict, wanted: Wants) -> None:
         self._formats[slot] = formats
         self._slot_of[req_id] = slot
         self._wanted[req_id] = wanted
@@ -139,18 +182,28 @@ class RequestEntries:
         self._formats.pop(self._slot_of.pop(req_id), None)
         del self._wanted[req_id]
 
-    def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str]]:
-        """(batch row, request id) of the requests that may capture in this step."""
-        return [] if dummy_run else wanted_in_step(self._wanted, input_batch)
+    def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str, int, int]]:
+        """(batch row, request id, row bound, position bound) of the requests that may
+        capture in this step (scheduler.rows_in_step)."""
+        return [] if dummy_run else rows_in_step(self._wanted, input_batch)
 
-    def _snapshot(self, cls, rows: torch.Tensor, labels: torch.Tensor, dummy_run: bool):
+    def _set_step(self, active: list[tuple[int, str, int, int]]) -> None:
+        bound = min(sum(rows for _, _, rows, _ in active), self.t.rows)
+        self._step = ({self._slot_of[r]: r for _, r, _, _ in active}, bound,
+                      max(hi for _, _, _, hi in active))
+
+    def _snapshot(self, cls, rows: torch.Tensor, labels: torch.Tensor, dummy_run: bool,
+                  width: bool = False):
+        """Clone the step's used rows (and, with `width`, only the columns up to the
+        step's last position: pattern rows span max_model_len keys)."""
         if dummy_run or self._step is None:
             return None
-        slot_to_req, bound = self._step
+        slot_to_req, bound, hi = self._step
+        rows = rows[:bound, :hi] if width else rows[:bound]
         formats = {(s, site): f for s in slot_to_req for site, f in self._formats[s].items()}
         names = {i: s.name for i, s in enumerate(self.sites.sites)}
         # Clones on the main stream: the next step reuses the buffer (async scheduling).
-        return cls(rows[:bound].clone(), labels[:bound].clone(), self.t.count.clone(),
+        return cls(rows.clone(), labels[:bound].clone(), self.t.count.clone(),
                    slot_to_req, formats, names, self.t.rows)
 
 
@@ -167,12 +220,12 @@ class CaptureScheduler(RequestEntries):
         site = np.full(c, -1, np.int32)
         pos = np.zeros((c, words), np.int32)
         formats = {}
-        wanted = np.zeros(self.max_len, dtype=bool)
+        wanted = Wants(self.max_len)
         # Attention patterns have their own tables (pattern_scheduler.py).
         entries = [e for e in (hooks or {}).get("capture", []) if e["kind"] != "attn_pattern"]
         for i, cap in enumerate(entries):
-            site[i], pos[i], mask, dtype = self._entry(cap, prompt_len, words)
-            wanted |= mask
+            site[i], pos[i], dtype = self._entry(cap, prompt_len, words)
+            wanted.add(cap["positions"], prompt_len, 1)
             width, head_dim = self.widths[cap["kind"]]
             formats[int(site[i])] = (dtype, width, cap.get("heads"), head_dim)
         self.t.cap_site[slot].copy_(host_to_device(site, self.device), non_blocking=True)
@@ -189,7 +242,7 @@ class CaptureScheduler(RequestEntries):
         return req_id in self._entries
 
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, dummy_run: bool,
-                     capturing: list[tuple[int, str]] | None = None) -> None:
+                     capturing: list[tuple[int, str, int, int]] | None = None) -> None:
         """Choose buffer rows for this step, on the device. tok_slot is already routed."""
         t = self.t
         if capturing is None:
@@ -223,11 +276,7 @@ class CaptureScheduler(RequestEntries):
         t.meta[:, 0].fill_(-1)
         t.meta.index_copy_(0, dst, labels)
         self._idle = False
-        # Host-side bound on rows used (no sync): every scheduled token at every entry.
-        bound = sum(int(input_batch.num_scheduled_tokens[i]) * self._entries[r]
-                    for i, r in capturing)
-        slot_to_req = {self._slot_of[r]: r for _, r in capturing}
-        self._step = (slot_to_req, min(bound, t.rows))
+        self._set_step(capturing)  # host-side bound on the rows used: no sync
 
     def collect(self, input_batch, dummy_run: bool) -> CaptureSnapshot | None:
         return self._snapshot(CaptureSnapshot, self.t.buf, self.t.meta, dummy_run)

@@ -11,7 +11,7 @@ import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend, merge_hook_chunks
 
-from graphtap.capture_scheduler import OVERFLOW_KEY
+from graphtap.capture_scheduler import BOUND_SHORT, OVERFLOW_KEY
 from graphtap.config import HookConfig
 from graphtap.outputs import HookOutputs
 from graphtap.pattern_scheduler import unpack_patterns
@@ -115,6 +115,11 @@ class GraphtapFrontend(HookFrontend):
             save_to = self._save_to.pop(request_id, None)
         if OVERFLOW_KEY in merged:
             wanted, capacity, kind = merged[OVERFLOW_KEY][:3].tolist()  # the first report
+            if kind == BOUND_SHORT:
+                return HookOutputs(error=(
+                    f"hooks.capture: graphtap bug: a step wrote {wanted} rows where the "
+                    f"host expected at most {capacity}; this request's captures were "
+                    f"withheld rather than returned incomplete (please report it)"))
             what = ("attention-pattern rows", "pattern_rows") if kind else \
                 ("capture rows", "capture_rows")
             return HookOutputs(error=(
@@ -126,11 +131,16 @@ class GraphtapFrontend(HookFrontend):
             rows, pos = merged[name], merged[f"{name}@positions"]
             if name.endswith(".attn.hook_pattern"):
                 rows = unpack_patterns(rows, pos)
-            order = torch.argsort(pos, stable=True)
-            rows, pos = rows[order], pos[order]
-            keep = torch.ones_like(pos, dtype=torch.bool)
-            keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
-            out[name], out.positions[name] = rows[keep].contiguous(), pos[keep].contiguous()
+            if len(pos) > 1 and not bool((pos[1:] > pos[:-1]).all()):
+                # Out of order or repeated: only after recomputation (preemption) or
+                # chunks arriving out of step order. A gather copies every row, so the
+                # usual, ordered case skips it (merge_hook_chunks copied them already).
+                order = torch.argsort(pos, stable=True)
+                rows, pos = rows[order], pos[order]
+                keep = torch.ones_like(pos, dtype=torch.bool)
+                keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
+                rows, pos = rows[keep], pos[keep]
+            out[name], out.positions[name] = rows.contiguous(), pos.contiguous()
         if save_to:
             self._save(save_to, request_id, out)
         return out

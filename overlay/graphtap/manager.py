@@ -155,12 +155,16 @@ class GraphtapHookManager(HookManager):
         bind_key_caches(caches)
 
     def prepare_step(self, input_batch, dummy_run) -> None:
+        with torch.profiler.record_function("graphtap.prepare_step"):
+            self._prepare_step(input_batch, dummy_run)
+
+    def _prepare_step(self, input_batch, dummy_run) -> None:
         # Host-side first: which requests capture in this step (a request that wants
         # only prompt positions costs nothing while it decodes).
         rows = self.capture.step_requests(input_batch, dummy_run)
         pattern_rows = [] if self.pattern is None else \
             self.pattern.step_requests(input_batch, dummy_run)
-        now = {r for _, r in rows} | {r for _, r in pattern_rows}
+        now = {r for _, r, _, _ in rows} | {r for _, r, _, _ in pattern_rows}
         self.scheduler.prepare_step(input_batch, dummy_run, now.__contains__)
         self.capture.prepare_step(input_batch, self.tables.tok_slot, dummy_run, rows)
         if self.pattern is not None:
@@ -178,7 +182,7 @@ class GraphtapHookManager(HookManager):
         if self.pattern is not None:
             parts.append(self.pattern.collect(dummy_run))
         parts = [p for p in parts if p is not None]
-        return parts[0] if len(parts) == 1 else StepSnapshots(parts) if parts else None
+        return StepSnapshots(parts) if parts else None
 
 
 def _backend(layer) -> str:

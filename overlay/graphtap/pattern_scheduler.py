@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from graphtap.capture_scheduler import LabelledSnapshot, RequestEntries
+from graphtap.scheduler import Wants
 from graphtap.sites import SiteTable
 from graphtap.tables import PatternTables, entry_bits, host_to_device
 
@@ -39,7 +40,8 @@ class PatternSnapshot(LabelledSnapshot):
             # pieces from different steps, whose widths differ (frontend: unpack_patterns).
             ragged = data[causal[:, None, :].expand_as(data)]
             name = self.site_names[site]
-            out.setdefault(req, {})[name] = ragged.to(dtype, copy=True)  # see CaptureSnapshot
+            # Boolean indexing copied already: nothing here views the pinned step buffer.
+            out.setdefault(req, {})[name] = ragged.to(dtype)
             out[req][f"{name}@positions"] = torch.from_numpy(pos.copy())
         return out
 
@@ -50,7 +52,6 @@ class PatternScheduler(RequestEntries):
     def __init__(self, tables: PatternTables, sites: SiteTable, max_len: int,
                  model_dtype: torch.dtype, device: torch.device):
         super().__init__(tables, sites, max_len, model_dtype, device)
-        self._rows_per_token: dict[str, int] = {}  # req_id -> heads summed over entries
         self._columns: dict[str, int] = {}  # req_id -> entries used (columns 0..n-1)
 
     def add_request(self, slot: int, req_id: str, prompt_len: int, hooks: dict | None) -> None:
@@ -61,31 +62,30 @@ class PatternScheduler(RequestEntries):
         pos = np.zeros((c, words), np.int32)
         heads = np.zeros((c, num_heads), bool)
         formats = {}
-        wanted = np.zeros(self.max_len, dtype=bool)
+        wanted = Wants(self.max_len)
         entries = [e for e in (hooks or {}).get("capture", []) if e["kind"] == PATTERN]
         for i, cap in enumerate(entries):
-            site[i], pos[i], mask, dtype = self._entry(cap, prompt_len, words)
-            wanted |= mask
+            site[i], pos[i], dtype = self._entry(cap, prompt_len, words)
             chosen = cap.get("heads") or list(range(num_heads))
+            wanted.add(cap["positions"], prompt_len, len(chosen))
             heads[i, chosen] = True
             formats[int(site[i])] = (dtype, len(chosen))
         for dst, src in ((t.pat_site, site), (t.pat_pos, pos), (t.pat_heads, heads)):
             dst[slot].copy_(host_to_device(src, self.device), non_blocking=True)
         if entries:
-            self._rows_per_token[req_id] = int(heads.sum())
             self._columns[req_id] = len(entries)
             self._keep(req_id, slot, formats, wanted)
 
     def remove_request(self, req_id: str) -> None:
-        if self._rows_per_token.pop(req_id, None) is not None:
-            self._columns.pop(req_id)
+        if self._columns.pop(req_id, None) is not None:
             self._forget(req_id)
 
     def has_patterns(self, req_id: str) -> bool:
-        return req_id in self._rows_per_token
+        return req_id in self._columns
 
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, tok_row: torch.Tensor,
-                     dummy_run: bool, active: list[tuple[int, str]] | None = None) -> None:
+                     dummy_run: bool, active: list[tuple[int, str, int, int]] | None = None
+                     ) -> None:
         """Route rows for this step on the device; tok_slot and tok_row are routed."""
         t = self.t
         if active is None:
@@ -100,7 +100,7 @@ class PatternScheduler(RequestEntries):
         slot, brow = tok_slot[:n], tok_row[:n]
         pos = input_batch.positions[:n].long().clamp(0, self.max_len - 1)
         dev = slot.device
-        columns = max(self._columns[r] for _, r in active)
+        columns = max(self._columns[r] for _, r, _, _ in active)
         site = t.pat_site[slot, :columns].T.long()  # [entries, tokens]
         on = entry_bits(t.pat_pos[:, :columns], slot, pos).T
         want = ((site >= 0) & on).unsqueeze(2) & t.pat_heads[slot, :columns].transpose(0, 1)
@@ -118,12 +118,10 @@ class PatternScheduler(RequestEntries):
         t.route[t.rows, 0] = -1  # the trash row took everything not wanted
         t.count.copy_(flat.sum().reshape(1))
         self._idle = False
-        bound = sum(int(input_batch.num_scheduled_tokens[i]) * self._rows_per_token[r]
-                    for i, r in active)
-        self._step = ({self._slot_of[r]: r for _, r in active}, min(bound, t.rows))
+        self._set_step(active)
 
     def collect(self, dummy_run: bool) -> PatternSnapshot | None:
-        return self._snapshot(PatternSnapshot, self.t.buf, self.t.route, dummy_run)
+        return self._snapshot(PatternSnapshot, self.t.buf, self.t.route, dummy_run, width=True)
 
 
 def unpack_patterns(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -41,24 +41,54 @@ def position_bitmap(rule, prompt_len: int, max_len: int, words: int) -> np.ndarr
     return bits.sum(axis=1).astype(np.uint32).view(np.int32)
 
 
-def wanted_in_step(masks: dict[str, np.ndarray], input_batch) -> list[tuple[int, str]]:
-    """(batch row, request id) of the requests whose wanted positions (host masks) may
-    fall in this step's tokens. A host-side skip only, so it may err towards routing:
-    with speculative decoding the host's computed-token count can run ahead by the
-    rejected drafts. Requests that want nothing now (a last_prompt capture while
-    decoding) then cost nothing on the device."""
+class Wants:
+    """A request's wanted positions, one bool mask per distinct position rule, each with
+    the rows a wanted token yields (entries using the rule; heads, for patterns)."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self._by_rule: dict[str, list] = {}  # repr(rule) -> [mask, rows per token]
+
+    def add(self, rule, prompt_len: int, rows_per_token: int) -> None:
+        key = repr(rule)
+        if key not in self._by_rule:
+            self._by_rule[key] = [position_mask(rule, prompt_len, self.max_len), 0]
+        self._by_rule[key][1] += rows_per_token
+
+    def __bool__(self) -> bool:
+        return bool(self._by_rule)
+
+    def rows_in(self, lo: int, hi: int, tokens: int) -> int:
+        """Upper bound on rows from `tokens` tokens at positions within [lo, hi)."""
+        return sum(per * min(tokens, int(np.count_nonzero(mask[lo:hi])))
+                   for mask, per in self._by_rule.values())
+
+
+def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, int, int]]:
+    """(batch row, request id, bound on its rows, bound on its positions + 1) of the
+    requests whose wanted positions may fall in this step's tokens. Host-side, so it may
+    err towards routing: with speculative decoding the host's computed-token count can
+    run ahead by the rejected drafts, and the window widens by them. Requests that want
+    nothing now (a last_prompt capture while decoding) then cost nothing on the device,
+    and the bound sizes the step's copy to the host (a last_prompt probe's prefill
+    copies one row per entry, not one per prompt token)."""
     computed = getattr(input_batch, "num_computed_tokens_np", None)
-    rows = [(i, r) for i, r in enumerate(input_batch.req_ids) if r in masks]
-    if computed is None:
-        return rows
     drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
     out = []
-    for i, r in rows:
+    for i, r in enumerate(input_batch.req_ids):
+        want = wants.get(r)
+        if not want:
+            continue
+        tokens = int(input_batch.num_scheduled_tokens[i])
+        if computed is None:  # no host view of positions: every token may capture
+            out.append((i, r, want.rows_in(0, want.max_len, tokens), want.max_len))
+            continue
         slack = int(drafts[i]) if drafts is not None else 0
         lo = max(int(computed[i]) - slack, 0)
-        hi = int(computed[i]) + int(input_batch.num_scheduled_tokens[i])
-        if masks[r][lo:hi].any():
-            out.append((i, r))
+        hi = min(int(computed[i]) + tokens, want.max_len)
+        rows = want.rows_in(lo, hi, tokens)
+        if rows:
+            out.append((i, r, rows, hi))
     return out
 
 
