@@ -106,3 +106,22 @@ def test_pattern_op(benchmark, context):
     kc = KeyCache(torch.randn(blocks, bs, kv_heads, dim), table, dim ** -0.5, heads // kv_heads)
     q = torch.randn(4, heads, dim)
     benchmark(pattern_reference, t, q, kc, 0)
+
+
+@pytest.mark.parametrize("reqs,rows_each", [(64, 1), (16, 256)], ids=["decode64", "prefill16"])
+def test_courier_split(benchmark, reqs, rows_each):
+    """The host side of the courier for one step: fp32 rows of 3 residual sites (Llama-3-8B
+    width) split per request into bf16 tensors, rows in the device's order (site-major,
+    requests adjacent). The capture-throughput bottleneck measured on the H200."""
+    from graphtap.capture_scheduler import CaptureSnapshot
+
+    sites, width = 3, 4096
+    n = reqs * sites * rows_each
+    grid = np.stack(np.meshgrid(np.arange(sites), np.arange(reqs), np.arange(rows_each),
+                                indexing="ij"), -1).reshape(-1, 3)[:, [1, 0, 2]]
+    formats = {(r, s): (torch.bfloat16, width, None, 0) for r in range(reqs) for s in range(sites)}
+    snap = CaptureSnapshot(torch.randn(n, width), torch.from_numpy(grid.astype(np.int64)),
+                           torch.tensor([n]), {r: f"r{r}" for r in range(reqs)}, formats,
+                           {s: f"blocks.{s}.hook_resid_post" for s in range(sites)}, 1 << 20)
+    out = benchmark(snap.per_request)
+    assert len(out) == reqs and out["r0"]["blocks.0.hook_resid_post"].shape == (rows_each, width)
