@@ -25,7 +25,7 @@ class HookConfig(BaseModel):
     request can never make the server write anywhere else."""
     capture_rows: int = Field(4096, ge=1)
     """Rows of the device capture buffer, per step (each row: one position at one site,
-    hidden_size floats). Part of the memory vLLM profiles; a step that would need more
+    hidden_size values in the model's dtype). Part of the memory vLLM profiles; a step that would need more
     fails its capturing requests' captures with an error instead of dropping rows."""
 
     pattern_rows: int = Field(256, ge=1)

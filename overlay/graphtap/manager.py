@@ -61,7 +61,7 @@ class GraphtapHookManager(HookManager):
             max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_captures=self.config.max_captures,
             num_sites=len(self.sites), rows=self.config.capture_rows,
             hidden=max(w for w, _ in widths.values()), max_len=mc.max_model_len,
-            device=torch.device(device))
+            device=torch.device(device), dtype=mc.dtype)
         self.scheduler = SteerScheduler(self.tables, self.sites, torch.device(device))
         self.capture = CaptureScheduler(self.capture_tables, self.sites, mc.max_model_len,
                                         mc.dtype, torch.device(device), widths)

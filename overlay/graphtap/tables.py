@@ -107,7 +107,10 @@ class CaptureTables(RowBuffer):
       cap_site[R+1, C]   site id of each entry, -1 = unused
       cap_pos[R+1, C, W] position bitmap per entry
       cap_dst[S, N]      buffer row for (site, token row) this step; K = the trash row
-      buf[K+1, H]        captured rows (float32); row K takes everything not captured
+      buf[K+1, H]        captured rows, in the model's dtype (what vLLM itself holds: the
+                         residual sum is rounded there too); row K takes everything not
+                         captured. Half the bytes of float32 across PCIe, and the host
+                         split is a plain copy for dtype "model" (an upcast for "float32").
       meta[K+1, 3]       (slot, site, position) of each row; slot -1 = unused row
       count[1]           rows this step wanted (more than K means overflow)
     """
@@ -121,14 +124,15 @@ class CaptureTables(RowBuffer):
 
     @classmethod
     def allocate(cls, *, max_reqs: int, max_tokens: int, max_captures: int, num_sites: int,
-                 rows: int, hidden: int, max_len: int, device) -> "CaptureTables":
+                 rows: int, hidden: int, max_len: int, device,
+                 dtype: torch.dtype = torch.float32) -> "CaptureTables":
         r, w = max_reqs + 1, (max_len + 31) // 32
         i64 = dict(dtype=torch.int64, device=device)
         return cls(
             cap_site=torch.full((r, max_captures), -1, dtype=torch.int32, device=device),
             cap_pos=torch.zeros((r, max_captures, w), dtype=torch.int32, device=device),
             cap_dst=torch.full((max(num_sites, 1), max_tokens), rows, **i64),
-            buf=torch.zeros((rows + 1, hidden), dtype=torch.float32, device=device),
+            buf=torch.zeros((rows + 1, hidden), dtype=dtype, device=device),
             meta=torch.full((rows + 1, 3), -1, **i64),
             count=torch.zeros((1,), **i64),
         )

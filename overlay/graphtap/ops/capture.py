@@ -33,12 +33,14 @@ def _capture(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | None, site
 
 def capture_reference(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | None,
                       site: int) -> None:
-    """Rows of x (+ other), flattened per token ([tokens, heads, head_dim] included)."""
+    """Rows of x (+ other), flattened per token ([tokens, heads, head_dim] included),
+    summed in float32 and stored in the buffer's dtype (as vLLM's fused add-norm does)."""
     n = x.shape[0]
     stream = x.reshape(n, -1).float()
     if other is not None:
         stream = stream + other.reshape(n, -1).float()
-    t.buf.narrow(1, 0, stream.shape[1]).index_copy_(0, t.cap_dst[site, :n], stream)
+    t.buf.narrow(1, 0, stream.shape[1]).index_copy_(0, t.cap_dst[site, :n],
+                                                   stream.to(t.buf.dtype))
 
 
 @torch.library.custom_op("graphtap::capture_resid_", mutates_args=("x",))
