@@ -43,3 +43,12 @@ def test_merged_request_outputs_keep_the_hooks():
     later = output(3, None, True)  # a later output without hooks keeps what came
     first.add(later, aggregate=False)
     assert first.hooks is hooks
+
+
+def test_results_own_their_storage():
+    """A one-chunk capture that is a view of a whole step must not keep the step alive."""
+    step = torch.randn(100, 8)
+    out = GraphtapFrontend(SHAPE).finish_outputs(
+        "r", [{SITE: step[10:13], f"{SITE}@positions": torch.tensor([4, 5, 6])}])
+    assert out[SITE].untyped_storage().nbytes() == 3 * 8 * 4
+    torch.testing.assert_close(out[SITE], step[10:13])

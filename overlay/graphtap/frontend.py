@@ -140,7 +140,7 @@ class GraphtapFrontend(HookFrontend):
                 keep = torch.ones_like(pos, dtype=torch.bool)
                 keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
                 rows, pos = rows[keep], pos[keep]
-            out[name], out.positions[name] = rows.contiguous(), pos.contiguous()
+            out[name], out.positions[name] = _own(rows), _own(pos)
         if save_to:
             self._save(save_to, request_id, out)
         return out
@@ -154,3 +154,11 @@ class GraphtapFrontend(HookFrontend):
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)
         save_file(tensors, os.path.join(directory, f"{safe}.safetensors"))
 
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """t in storage of its own. A single-chunk capture can still be a view of a whole
+    step's rows (the worker splits steps into views; in-process engines pass them on
+    unserialised), which would keep that step alive as long as the caller keeps this."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
