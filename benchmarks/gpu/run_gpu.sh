@@ -3,7 +3,10 @@
 # (see ../shared/gpu-bundle/README.md). Steps, each within the device's 10-minute limit:
 #   check            graph parity + in-graph proof on a tiny model (patched)
 #   <model> stock    TPOT, stock vLLM wheel
-#   <model> graphtap TPOT, patched wheel + graphtap (idle and steering alternate)
+#   <model> graphtap TPOT, patched wheel + graphtap (idle and steering alternate;
+#                    BENCH_ARGS="--modes idle,hs,qk,mixed,dump ..." for the capture loads)
+#   profile <model>  capture rows/s and host time per mode (profile_capture.py;
+#                    PROFILE_ARGS="--modes idle,dump,idle" to narrow it)
 #   report           merge results into benchmarks/results/tpot.md
 # Results are written to $OUT (the device tool brings them back) and benchmarks/results.
 set -euo pipefail
@@ -15,6 +18,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     check)  PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 benchmarks/gpu/check_graphs.py; shift ;;
     report) python3 benchmarks/gpu/bench_tpot.py --report --out "$OUT"; shift ;;
+    profile) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
+               benchmarks/gpu/profile_capture.py --model "$2" ${PROFILE_ARGS:-}; shift 2 ;;
     *)      model=$1 variant=$2; shift 2
             site=/tmp/vllm-site/$([ "$variant" = stock ] && echo stock || echo patched)
             PYTHONPATH=$site:$DEPS:$GT_SITE python3 benchmarks/gpu/bench_tpot.py \
