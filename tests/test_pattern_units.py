@@ -147,7 +147,7 @@ def test_steps_that_capture_nothing_route_nothing():
     """Host-side skip: a request wanting only its last prompt position costs no device
     work while it decodes; a chunk that holds the position, or no host view, routes. The
     row bound counts wanted positions in the step's window, per rule and entry."""
-    from graphtap.scheduler import Wants, rows_in_step
+    from graphtap.scheduler import Wants, positions_end, rows_in_step
 
     probe, full = Wants(L), Wants(L)
     probe.add("last_prompt", 10, 3)  # e.g. three residual sites at the last prompt token
@@ -157,13 +157,17 @@ def test_steps_that_capture_nothing_route_nothing():
     step = lambda computed, scheduled, drafts=None: SimpleNamespace(  # noqa: E731
         req_ids=["probe", "all", "plain"], num_computed_tokens_np=np.array(computed),
         num_scheduled_tokens=np.array(scheduled), num_draft_tokens_per_req=drafts)
-    assert rows_in_step(wants, step([0, 0, 0], [6, 6, 6])) == [(1, "all", 6 + 12, 6)]
+    assert rows_in_step(wants, step([0, 0, 0], [6, 6, 6])) == [(1, "all", 6 + 12)]
     assert rows_in_step(wants, step([6, 6, 6], [4, 4, 4])) == \
-        [(0, "probe", 3, 10), (1, "all", 4 + 8, 10)]
-    assert rows_in_step(wants, step([12, 12, 12], [1, 1, 1])) == [(1, "all", 1, 13)]  # decode
+        [(0, "probe", 3), (1, "all", 4 + 8)]
+    assert rows_in_step(wants, step([12, 12, 12], [1, 1, 1])) == [(1, "all", 1)]  # decode
     # Spec decode: the host count may run ahead by rejected drafts; the window widens,
     # and the bound never exceeds the tokens in the step.
     assert rows_in_step(wants, step([11, 11, 11], [3, 3, 3], np.array([2, 2, 0]))) == \
-        [(0, "probe", 3, 14), (1, "all", 3 + 2, 14)]
+        [(0, "probe", 3), (1, "all", 3 + 2)]
     no_view = SimpleNamespace(req_ids=["probe"], num_scheduled_tokens=np.array([5]))
-    assert rows_in_step(wants, no_view) == [(0, "probe", 3, L)]
+    assert rows_in_step(wants, no_view) == [(0, "probe", 3)]
+    # Pattern snapshots copy key columns up to the batch's last position (drafts included).
+    batch = step([11, 11, 11], [3, 3, 3], np.array([2, 2, 0]))
+    batch.num_reqs = 3
+    assert positions_end(batch, L) == 14 and positions_end(no_view, L) == L

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from graphtap.scheduler import Wants, position_bitmap, rows_in_step
+from graphtap.scheduler import Wants, position_bitmap, positions_end, rows_in_step
 from graphtap.sites import SiteTable
 from graphtap.tables import CaptureTables, entry_bits, host_to_device
 
@@ -160,7 +160,7 @@ class RequestEntries:
         self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
         self._slot_of: dict[str, int] = {}
         self._wanted: dict[str, Wants] = {}  # req_id -> positions its entries want
-        # (slot -> req_id, row bound, position bound) of the current step
+        # (slot -> req_id, row bound, positions end) of the current step
         self._step: tuple | None = None
         self._idle = True
 
@@ -182,15 +182,23 @@ class RequestEntries:
         self._formats.pop(self._slot_of.pop(req_id), None)
         del self._wanted[req_id]
 
-    def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str, int, int]]:
-        """(batch row, request id, row bound, position bound) of the requests that may
-        capture in this step (scheduler.rows_in_step)."""
+    def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str, int]]:
+        """(batch row, request id, row bound) of the requests that may capture in this
+        step (scheduler.rows_in_step)."""
         return [] if dummy_run else rows_in_step(self._wanted, input_batch)
 
-    def _set_step(self, active: list[tuple[int, str, int, int]]) -> None:
-        bound = min(sum(rows for _, _, rows, _ in active), self.t.rows)
-        self._step = ({self._slot_of[r]: r for _, r, _, _ in active}, bound,
-                      max(hi for _, _, _, hi in active))
+    def _in_batch(self, input_batch) -> list[str]:
+        """Every request of the batch with entries here, capturing this step or not."""
+        return [r for r in input_batch.req_ids if r in self._slot_of]
+
+    def _set_step(self, input_batch, active: list[tuple[int, str, int]]) -> None:
+        bound = min(sum(rows for _, _, rows in active), self.t.rows)
+        # Rows are attributed (and overflow reported) for every request of the batch
+        # with entries, not only those the host expects to capture now: the device
+        # routes them all, so a wrong host window can cost a step's bound (reported as
+        # a graphtap bug) but never drop a live request's rows silently.
+        self._step = ({self._slot_of[r]: r for r in self._in_batch(input_batch)}, bound,
+                      positions_end(input_batch, self.max_len))
 
     def _snapshot(self, cls, rows: torch.Tensor, labels: torch.Tensor, dummy_run: bool,
                   width: bool = False):
@@ -242,7 +250,7 @@ class CaptureScheduler(RequestEntries):
         return req_id in self._entries
 
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, dummy_run: bool,
-                     capturing: list[tuple[int, str, int, int]] | None = None) -> None:
+                     capturing: list[tuple[int, str, int]] | None = None) -> None:
         """Choose buffer rows for this step, on the device. tok_slot is already routed."""
         t = self.t
         if capturing is None:
@@ -276,7 +284,7 @@ class CaptureScheduler(RequestEntries):
         t.meta[:, 0].fill_(-1)
         t.meta.index_copy_(0, dst, labels)
         self._idle = False
-        self._set_step(capturing)  # host-side bound on the rows used: no sync
+        self._set_step(input_batch, capturing)  # host-side bound on the rows used: no sync
 
     def collect(self, input_batch, dummy_run: bool) -> CaptureSnapshot | None:
         return self._snapshot(CaptureSnapshot, self.t.buf, self.t.meta, dummy_run)

@@ -164,7 +164,7 @@ class GraphtapHookManager(HookManager):
         rows = self.capture.step_requests(input_batch, dummy_run)
         pattern_rows = [] if self.pattern is None else \
             self.pattern.step_requests(input_batch, dummy_run)
-        now = {r for _, r, _, _ in rows} | {r for _, r, _, _ in pattern_rows}
+        now = {r for _, r, _ in rows} | {r for _, r, _ in pattern_rows}
         self.scheduler.prepare_step(input_batch, dummy_run, now.__contains__)
         self.capture.prepare_step(input_batch, self.tables.tok_slot, dummy_run, rows)
         if self.pattern is not None:

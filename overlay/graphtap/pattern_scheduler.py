@@ -84,7 +84,7 @@ class PatternScheduler(RequestEntries):
         return req_id in self._columns
 
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, tok_row: torch.Tensor,
-                     dummy_run: bool, active: list[tuple[int, str, int, int]] | None = None
+                     dummy_run: bool, active: list[tuple[int, str, int]] | None = None
                      ) -> None:
         """Route rows for this step on the device; tok_slot and tok_row are routed."""
         t = self.t
@@ -100,7 +100,7 @@ class PatternScheduler(RequestEntries):
         slot, brow = tok_slot[:n], tok_row[:n]
         pos = input_batch.positions[:n].long().clamp(0, self.max_len - 1)
         dev = slot.device
-        columns = max(self._columns[r] for _, r, _, _ in active)
+        columns = max(self._columns[r] for r in self._in_batch(input_batch))
         site = t.pat_site[slot, :columns].T.long()  # [entries, tokens]
         on = entry_bits(t.pat_pos[:, :columns], slot, pos).T
         want = ((site >= 0) & on).unsqueeze(2) & t.pat_heads[slot, :columns].transpose(0, 1)
@@ -118,7 +118,7 @@ class PatternScheduler(RequestEntries):
         t.route[t.rows, 0] = -1  # the trash row took everything not wanted
         t.count.copy_(flat.sum().reshape(1))
         self._idle = False
-        self._set_step(active)
+        self._set_step(input_batch, active)
 
     def collect(self, dummy_run: bool) -> PatternSnapshot | None:
         return self._snapshot(PatternSnapshot, self.t.buf, self.t.route, dummy_run, width=True)

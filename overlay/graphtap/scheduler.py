@@ -64,9 +64,8 @@ class Wants:
                    for mask, per in self._by_rule.values())
 
 
-def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, int, int]]:
-    """(batch row, request id, bound on its rows, bound on its positions + 1) of the
-    requests whose wanted positions may fall in this step's tokens. Host-side, so it may
+def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, int]]:
+    """(batch row, request id, bound on its rows) of the requests whose wanted positions may fall in this step's tokens. Host-side, so it may
     err towards routing: with speculative decoding the host's computed-token count can
     run ahead by the rejected drafts, and the window widens by them. Requests that want
     nothing now (a last_prompt capture while decoding) then cost nothing on the device,
@@ -81,15 +80,25 @@ def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, i
             continue
         tokens = int(input_batch.num_scheduled_tokens[i])
         if computed is None:  # no host view of positions: every token may capture
-            out.append((i, r, want.rows_in(0, want.max_len, tokens), want.max_len))
+            out.append((i, r, want.rows_in(0, want.max_len, tokens)))
             continue
         slack = int(drafts[i]) if drafts is not None else 0
         lo = max(int(computed[i]) - slack, 0)
         hi = min(int(computed[i]) + tokens, want.max_len)
         rows = want.rows_in(lo, hi, tokens)
         if rows:
-            out.append((i, r, rows, hi))
+            out.append((i, r, rows))
     return out
+
+
+def positions_end(input_batch, max_len: int) -> int:
+    """A host-side bound on every position in the batch, plus one (no sync)."""
+    computed = getattr(input_batch, "num_computed_tokens_np", None)
+    if computed is None or not input_batch.num_reqs:
+        return max_len
+    n = input_batch.num_reqs
+    ends = computed[:n].astype(np.int64) + input_batch.num_scheduled_tokens[:n]
+    return min(int(ends.max()), max_len)
 
 
 class SteerScheduler:
