@@ -21,8 +21,9 @@ def _capture_kernel(x_ptr, other_ptr, dst_ptr, buf_ptr, W, stride_x, stride_o, s
         v = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_OTHER:
             v += tl.load(other_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
-        # Round to nearest even, as torch does (and vLLM's own fused add-norm).
-        v = v.to(buf_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        # Triton's default for narrowing float casts rounds to nearest even, as torch
+        # does (and vLLM's own fused add-norm); a no-op for a float32 buffer.
+        v = v.to(buf_ptr.dtype.element_ty)
         tl.store(buf_ptr + dst * stride_b + offs, v, mask=m)
 
 
