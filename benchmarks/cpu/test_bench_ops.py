@@ -82,7 +82,7 @@ def test_scheduler_step(benchmark, num_reqs):
 
     def step():
         steer._last_layout = None
-        steer.prepare_step(b, False, cap.has_captures)
+        steer.prepare_step(b, False, cap.holds)
         cap.prepare_step(b, t.tok_slot, False)
         return cap.collect(b, False)
 

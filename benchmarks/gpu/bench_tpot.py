@@ -78,17 +78,17 @@ def engine_args(args, path: str, cfg: dict):
         kw.update(dtype="bfloat16", gpu_memory_utilization=0.85,
                   compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
     if args.variant == "graphtap":
-        modes = args.modes.split(",")
-        sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
-        if {"hs", "mixed", "dump"} & set(modes):
-            sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
-        if {"qk", "mixed"} & set(modes):
-            sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
-        kw.update(hook_manager="graphtap", hook_config=hook_config(sites))
+        kw.update(hook_manager="graphtap", hook_config=hook_config(cfg, args.modes.split(",")))
     return AsyncEngineArgs(**kw)
 
 
-def hook_config(sites: list[str]) -> dict:
+def hook_config(cfg: dict, modes: list[str]) -> dict:
+    """The configured sites are the union of the modes' sites (plus the steering site)."""
+    sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
+    if {"hs", "mixed", "dump"} & set(modes):
+        sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
+    if {"qk", "mixed"} & set(modes):
+        sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
     # dump captures 3 rows per token: room for a full prefill step of 16k tokens
     return {"sites": sorted(set(sites)), "max_captures": 16, "capture_rows": 3 * 16384}
 

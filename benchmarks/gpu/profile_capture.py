@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from bench_tpot import (ARCHS, count_rows, hook_config, hs_layers, mode_hooks,  # noqa: E402
-                        model_dir, qk_layers, steer_layer)
+from bench_tpot import ARCHS, count_rows, hook_config, mode_hooks, model_dir  # noqa: E402
 
 STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
           "cudaHostAlloc", "cudaFreeHost", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",
@@ -37,11 +36,10 @@ STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
 def engine(path: str, cfg: dict, cpu: bool):
     from vllm import LLM
 
-    sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
-    sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
-    sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
+    # Every capture mode's sites, whichever modes run: the same configuration as a
+    # bench_tpot.py launch of all modes, so the two share compiled artifacts.
     kw = dict(model=path, seed=0, max_model_len=400, max_num_seqs=64, hook_manager="graphtap",
-              hook_config=hook_config(sites), enable_prefix_caching=False)
+              hook_config=hook_config(cfg, ["mixed", "dump"]), enable_prefix_caching=False)
     if cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         kw.update(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)

@@ -73,12 +73,11 @@ class LabelledSnapshot:
 
     def overflow(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """Rows were lost: say so for every capturing request (never a partial result)."""
-        wanted = int(self.count[0])
-        if wanted <= min(self.capacity, self.rows.shape[0]):
+        wanted, room = int(self.count[0]), min(self.capacity, self.rows.shape[0])
+        if wanted <= room:
             return None
         kind = self.OVERFLOW_KIND if wanted > self.capacity else BOUND_SHORT
-        flag = torch.tensor([wanted, min(self.capacity, self.rows.shape[0]), kind],
-                            dtype=torch.int64)
+        flag = torch.tensor([wanted, room, kind], dtype=torch.int64)
         return {req: {OVERFLOW_KEY: flag} for req in self.slot_to_req.values()}
 
     def groups(self, order: tuple[int, ...], slot_col: int, site_col: int, source=None):
@@ -88,12 +87,12 @@ class LabelledSnapshot:
         where the device wrote the group in order (the usual case: a request's tokens
         are adjacent in the batch), else a gathered copy."""
         used = min(int(self.count[0]), self.rows.shape[0])
+        if not used:
+            return
         labels = self.labels[:used].numpy()
         perm = np.lexsort(tuple(labels[:, c] for c in reversed(order)))
         labels = labels[perm]
         keys = labels[:, slot_col] * 1_000_003 + labels[:, site_col]
-        if not used:
-            return
         starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
         ends = np.r_[starts[1:], used]
         # A group is a plain slice when its rows sit in order in the buffer: no break
@@ -148,7 +147,7 @@ class CaptureSnapshot(LabelledSnapshot):
 class RequestEntries:
     """Per-request bookkeeping shared by row captures and attention patterns: the slot a
     request holds, its output format per site, the positions any of its entries wants
-    (for the host-side step skip), and the current step's (slot -> request, row bound)."""
+    (for the host-side step skip and row bound), and the current step's snapshot bounds."""
 
     def __init__(self, tables, sites: SiteTable, max_len: int, model_dtype: torch.dtype,
                  device: torch.device):
@@ -173,14 +172,35 @@ class RequestEntries:
         dtype = self.model_dtype if cap["dtype"] == "model" else torch.float32
         return sid, position_bitmap(rule, prompt_len, self.max_len, words), dtype
 
-    def _keep(self, req_id: str, slot: int, formats: dict, wanted: Wants) -> None:
-        self._formats[slot] = formats
-        self._slot_of[req_id] = slot
-        self._wanted[req_id] = wanted
+    def _add(self, slot: int, req_id: str, prompt_len: int, entries: list[dict],
+             site_table: torch.Tensor, pos_table: torch.Tensor, describe) -> None:
+        """Write a request's entries into its slot's rows of the site and position tables
+        (every column, so a reused slot inherits nothing) and keep its bookkeeping.
+        describe(i, entry, dtype) -> (output format, rows per wanted token)."""
+        self.remove_request(req_id)
+        c, words = site_table.shape[1], pos_table.shape[2]
+        site = np.full(c, -1, np.int32)
+        pos = np.zeros((c, words), np.int32)
+        formats, wanted = {}, Wants(self.max_len)
+        for i, cap in enumerate(entries):
+            site[i], pos[i], dtype = self._entry(cap, prompt_len, words)
+            formats[int(site[i])], rows_per_token = describe(i, cap, dtype)
+            wanted.add(cap["positions"], prompt_len, rows_per_token)
+        for dst, src in ((site_table, site), (pos_table, pos)):
+            dst[slot].copy_(host_to_device(src, self.device), non_blocking=True)
+        if entries:
+            self._formats[slot] = formats
+            self._slot_of[req_id] = slot
+            self._wanted[req_id] = wanted
 
-    def _forget(self, req_id: str) -> None:
-        self._formats.pop(self._slot_of.pop(req_id), None)
-        del self._wanted[req_id]
+    def remove_request(self, req_id: str) -> None:
+        if req_id in self._slot_of:
+            self._formats.pop(self._slot_of.pop(req_id), None)
+            del self._wanted[req_id]
+
+    def holds(self, req_id: str) -> bool:
+        """Whether the request has entries here."""
+        return req_id in self._slot_of
 
     def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str, int]]:
         """(batch row, request id, row bound) of the requests that may capture in this
@@ -220,34 +240,16 @@ class CaptureScheduler(RequestEntries):
                  model_dtype: torch.dtype, device: torch.device, widths: dict[str, tuple]):
         super().__init__(tables, sites, max_len, model_dtype, device)
         self.widths = widths  # kind -> (row width, head_dim or 0)
-        self._entries: dict[str, int] = {}  # req_id -> number of capture entries
 
     def add_request(self, slot: int, req_id: str, prompt_len: int, hooks: dict | None) -> None:
-        self.remove_request(req_id)
-        c, words = self.t.cap_site.shape[1], self.t.cap_pos.shape[2]
-        site = np.full(c, -1, np.int32)
-        pos = np.zeros((c, words), np.int32)
-        formats = {}
-        wanted = Wants(self.max_len)
         # Attention patterns have their own tables (pattern_scheduler.py).
         entries = [e for e in (hooks or {}).get("capture", []) if e["kind"] != "attn_pattern"]
-        for i, cap in enumerate(entries):
-            site[i], pos[i], dtype = self._entry(cap, prompt_len, words)
-            wanted.add(cap["positions"], prompt_len, 1)
+
+        def describe(i: int, cap: dict, dtype: torch.dtype):  # one row per wanted token
             width, head_dim = self.widths[cap["kind"]]
-            formats[int(site[i])] = (dtype, width, cap.get("heads"), head_dim)
-        self.t.cap_site[slot].copy_(host_to_device(site, self.device), non_blocking=True)
-        self.t.cap_pos[slot].copy_(host_to_device(pos, self.device), non_blocking=True)
-        if entries:
-            self._entries[req_id] = len(entries)
-            self._keep(req_id, slot, formats, wanted)
+            return (dtype, width, cap.get("heads"), head_dim), 1
 
-    def remove_request(self, req_id: str) -> None:
-        if self._entries.pop(req_id, None) is not None:
-            self._forget(req_id)
-
-    def has_captures(self, req_id: str) -> bool:
-        return req_id in self._entries
+        self._add(slot, req_id, prompt_len, entries, self.t.cap_site, self.t.cap_pos, describe)
 
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, dummy_run: bool,
                      capturing: list[tuple[int, str, int]] | None = None) -> None:

@@ -25,9 +25,9 @@ class HookConfig(BaseModel):
     request can never make the server write anywhere else."""
     capture_rows: int = Field(4096, ge=1)
     """Rows of the device capture buffer, per step (each row: one position at one site,
-    hidden_size values in the model's dtype). Part of the memory vLLM profiles; a step that would need more
-    fails the captures of the requests in its batch that capture, with an error, instead
-    of dropping rows."""
+    hidden_size values in the model's dtype). Part of the memory vLLM profiles; a step
+    that would need more fails the captures of the requests in its batch that capture,
+    with an error, instead of dropping rows."""
 
     pattern_rows: int = Field(256, ge=1)
     """Rows of the device attention-pattern buffer, per step (each row: one query position

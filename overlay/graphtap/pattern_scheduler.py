@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from graphtap.capture_scheduler import LabelledSnapshot, RequestEntries
-from graphtap.scheduler import Wants
 from graphtap.sites import SiteTable
 from graphtap.tables import PatternTables, entry_bits, host_to_device
 
@@ -52,36 +51,19 @@ class PatternScheduler(RequestEntries):
     def __init__(self, tables: PatternTables, sites: SiteTable, max_len: int,
                  model_dtype: torch.dtype, device: torch.device):
         super().__init__(tables, sites, max_len, model_dtype, device)
-        self._columns: dict[str, int] = {}  # req_id -> entries used (columns 0..n-1)
 
     def add_request(self, slot: int, req_id: str, prompt_len: int, hooks: dict | None) -> None:
-        self.remove_request(req_id)
         t = self.t
-        c, words, num_heads = t.pat_site.shape[1], t.pat_pos.shape[2], t.pat_heads.shape[2]
-        site = np.full(c, -1, np.int32)
-        pos = np.zeros((c, words), np.int32)
-        heads = np.zeros((c, num_heads), bool)
-        formats = {}
-        wanted = Wants(self.max_len)
+        heads = np.zeros((t.pat_heads.shape[1], t.pat_heads.shape[2]), bool)
         entries = [e for e in (hooks or {}).get("capture", []) if e["kind"] == PATTERN]
-        for i, cap in enumerate(entries):
-            site[i], pos[i], dtype = self._entry(cap, prompt_len, words)
-            chosen = cap.get("heads") or list(range(num_heads))
-            wanted.add(cap["positions"], prompt_len, len(chosen))
+
+        def describe(i: int, cap: dict, dtype: torch.dtype):  # one row per chosen head
+            chosen = cap.get("heads") or list(range(heads.shape[1]))
             heads[i, chosen] = True
-            formats[int(site[i])] = (dtype, len(chosen))
-        for dst, src in ((t.pat_site, site), (t.pat_pos, pos), (t.pat_heads, heads)):
-            dst[slot].copy_(host_to_device(src, self.device), non_blocking=True)
-        if entries:
-            self._columns[req_id] = len(entries)
-            self._keep(req_id, slot, formats, wanted)
+            return (dtype, len(chosen)), len(chosen)
 
-    def remove_request(self, req_id: str) -> None:
-        if self._columns.pop(req_id, None) is not None:
-            self._forget(req_id)
-
-    def has_patterns(self, req_id: str) -> bool:
-        return req_id in self._columns
+        self._add(slot, req_id, prompt_len, entries, t.pat_site, t.pat_pos, describe)
+        t.pat_heads[slot].copy_(host_to_device(heads, self.device), non_blocking=True)
 
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, tok_row: torch.Tensor,
                      dummy_run: bool, active: list[tuple[int, str, int]] | None = None
@@ -100,7 +82,8 @@ class PatternScheduler(RequestEntries):
         slot, brow = tok_slot[:n], tok_row[:n]
         pos = input_batch.positions[:n].long().clamp(0, self.max_len - 1)
         dev = slot.device
-        columns = max(self._columns[r] for r in self._in_batch(input_batch))
+        # Entries fill columns 0..n-1, one format each (a request captures a site once).
+        columns = max(len(self._formats[self._slot_of[r]]) for r in self._in_batch(input_batch))
         site = t.pat_site[slot, :columns].T.long()  # [entries, tokens]
         on = entry_bits(t.pat_pos[:, :columns], slot, pos).T
         want = ((site >= 0) & on).unsqueeze(2) & t.pat_heads[slot, :columns].transpose(0, 1)

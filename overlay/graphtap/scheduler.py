@@ -55,9 +55,6 @@ class Wants:
             self._by_rule[key] = [position_mask(rule, prompt_len, self.max_len), 0]
         self._by_rule[key][1] += rows_per_token
 
-    def __bool__(self) -> bool:
-        return bool(self._by_rule)
-
     def rows_in(self, lo: int, hi: int, tokens: int) -> int:
         """Upper bound on rows from `tokens` tokens at positions within [lo, hi)."""
         return sum(per * min(tokens, int(np.count_nonzero(mask[lo:hi])))
@@ -65,9 +62,10 @@ class Wants:
 
 
 def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, int]]:
-    """(batch row, request id, bound on its rows) of the requests whose wanted positions may fall in this step's tokens. Host-side, so it may
-    err towards routing: with speculative decoding the host's computed-token count can
-    run ahead by the rejected drafts, and the window widens by them. Requests that want
+    """(batch row, request id, bound on its rows) of the requests whose wanted positions
+    may fall in this step's tokens. Host-side, so it may err towards routing: with
+    speculative decoding the host's computed-token count can run ahead by the rejected
+    drafts, and the window widens by them. Requests that want
     nothing now (a last_prompt capture while decoding) then cost nothing on the device,
     and the bound sizes the step's copy to the host (a last_prompt probe's prefill
     copies one row per entry, not one per prompt token)."""
@@ -76,7 +74,7 @@ def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, i
     out = []
     for i, r in enumerate(input_batch.req_ids):
         want = wants.get(r)
-        if not want:
+        if want is None:
             continue
         tokens = int(input_batch.num_scheduled_tokens[i])
         if computed is None:  # no host view of positions: every token may capture
