@@ -11,7 +11,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_tpo
 
 @pytest.mark.parametrize("variant", ["stock", "graphtap"])
 def test_bench_tpot_quick(variant, tmp_path, llama_path):
-    modes = ["--modes", "idle,steer,hs,qk,mixed,dump"] if variant == "graphtap" else []
+    modes = (["--modes", "idle,steer,hs,qk,mixed", "--burst-modes", "dump"]
+             if variant == "graphtap" else [])
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--variant", variant,
                           "--out", str(tmp_path), *modes],
                          capture_output=True, text=True, timeout=900)
@@ -29,6 +30,25 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
         assert r["rows"] == per_request[r["mode"]] * r["requests"], r
         assert r["rows_per_request_min"] == r["rows_per_request_max"] == per_request[r["mode"]]
     assert {r["rate"] for r in data["runs"]} == {8.0, "burst3"}
+    assert all(r["rate"] == "burst3" for r in data["runs"] if r["mode"] == "dump")
+    assert all(len(r["tpot_ms_by_request"]) == r["requests"] for r in data["runs"])
+    if variant == "graphtap":
+        overhead = data["summary_overhead_vs_idle_pct"]
+        assert set(overhead) == {"steer", "hs", "qk", "mixed", "dump"}
+        assert set(overhead["dump"]) == {"burst3"} and set(overhead["hs"]) == {"8", "burst3"}
+
+
+def test_paired_overheads():
+    """Per-request ratios vs idle in the same repetition, per rep and pooled."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from bench_tpot import paired_overheads
+
+    runs = [{"mode": "idle", "rate": 8.0, "rep": 0, "tpot_ms_by_request": [5.0, 10.0, None]},
+            {"mode": "hs", "rate": 8.0, "rep": 0, "tpot_ms_by_request": [5.1, 10.2, 7.0]},
+            {"mode": "idle", "rate": 8.0, "rep": 1, "tpot_ms_by_request": [4.0, 8.0, 6.0]},
+            {"mode": "hs", "rate": 8.0, "rep": 1, "tpot_ms_by_request": [4.0, 8.0, 6.06]},
+            {"mode": "hs", "rate": "burst3", "rep": 0, "tpot_ms_by_request": [1.0]}]
+    assert paired_overheads(runs) == {"hs": {"8": {"reps": [2.0, 0.0], "pooled": 1.0}}}
 
 
 def test_report_merges_results(tmp_path):

@@ -15,7 +15,11 @@ union of the modes asked for.
 Per (rate, repetition): N requests of IN prompt tokens and OUT output tokens
 (ignore_eos), arrivals Poisson at `rate` req/s, in-process AsyncLLM; a request's TPOT is
 (t_last_token - t_first_token) / (OUT - 1); a run's figure is the median over requests;
-the reported figure is the median of the repetitions. Results: JSON per launch, then
+the reported figure is the median of the repetitions. Inside a repetition every mode gets
+the same arrival times and prompts, and the modes' order rotates between repetitions (no
+mode always follows dump), so a mode's overhead vs idle is measured paired: per request,
+its TPOT in that mode over its TPOT in idle (`summary_overhead_vs_idle_pct`: median of
+those ratios per repetition, and pooled over repetitions). Results: JSON per launch, then
 `--report` merges them into a markdown table of overhead vs stock.
 
   GPU:  bench_tpot.py --model llama3-8b --variant stock --out benchmarks/results
@@ -78,7 +82,8 @@ def engine_args(args, path: str, cfg: dict):
         kw.update(dtype="bfloat16", gpu_memory_utilization=0.85,
                   compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
     if args.variant == "graphtap":
-        kw.update(hook_manager="graphtap", hook_config=hook_config(cfg, args.modes.split(",")))
+        kw.update(hook_manager="graphtap", hook_config=hook_config(
+            cfg, args.modes.split(",") + args.burst_modes.split(",")))
     return AsyncEngineArgs(**kw)
 
 
@@ -170,7 +175,9 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
     all_times = [t for t, _ in results]
     rows, nbytes, failed = (sum(c[i] for _, c in results) for i in range(3))
     per_request = [c[0] for _, c in results]
-    tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in all_times if len(t) > 1]
+    by_request = [(t[-1] - t[0]) / (len(t) - 1) * 1000 if len(t) > 1 else None
+                  for t in all_times]  # request i: same arrival and prompt in every mode
+    tpots = [t for t in by_request if t is not None]
     ttfts = [(t[0] - t0 - s) * 1000 for t, s in zip(all_times, starts) if t]
     return {"rate": f"burst{burst}" if burst else rate, "rep": rep, "requests": n,
             "tpot_ms_median": statistics.median(tpots),
@@ -178,7 +185,8 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
             "wall_s": wall, "rows": rows, "capture_bytes": nbytes, "capture_failed": failed,
             "rows_per_s": rows / wall,
             # a capturing request with no rows and no error would be a silent loss
-            "rows_per_request_min": min(per_request), "rows_per_request_max": max(per_request)}
+            "rows_per_request_min": min(per_request), "rows_per_request_max": max(per_request),
+            "tpot_ms_by_request": by_request}
 
 
 async def bench(args) -> dict:
@@ -189,6 +197,7 @@ async def bench(args) -> dict:
     engine = AsyncLLM.from_engine_args(engine_args(args, path, cfg))
     startup = time.perf_counter() - t_start
     modes = ["plain"] if args.variant == "stock" else args.modes.split(",")
+    burst_modes = [] if args.variant == "stock" else [m for m in args.burst_modes.split(",") if m]
     vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
     vec = (vec / np.linalg.norm(vec) * 4.0).tolist()
     result = {"model": args.model, "variant": args.variant, "input_len": args.input_len,
@@ -201,7 +210,9 @@ async def bench(args) -> dict:
         for rep in range(args.reps):
             loads = [(rate, 0) for rate in args.rates] + [(1.0, b) for b in args.bursts]
             for rate, burst in loads:
-                for mode in modes:  # modes alternate: same engine, same moment
+                # modes alternate (same engine, same moment), their order rotating per rep
+                this = modes + (burst_modes if burst else [])
+                for mode in this[rep % len(this):] + this[:rep % len(this)]:
                     r = await run_rate(engine, args, cfg, rate, rep, mode_hooks(mode, cfg, vec),
                                        burst)
                     r["mode"] = mode
@@ -219,10 +230,39 @@ async def bench(args) -> dict:
 def summarise(result: dict) -> None:
     summary: dict[str, dict[str, float]] = {}
     for r in result["runs"]:
-        key = r["rate"] if isinstance(r["rate"], str) else f"{r['rate']:g}"
+        key = load_key(r)
         summary.setdefault(r["mode"], {}).setdefault(key, []).append(r["tpot_ms_median"])
     result["summary_tpot_ms"] = {m: {k: statistics.median(v) for k, v in d.items()}
                                  for m, d in summary.items()}
+    result["summary_overhead_vs_idle_pct"] = paired_overheads(result["runs"])
+
+
+def load_key(r: dict) -> str:
+    return r["rate"] if isinstance(r["rate"], str) else f"{r['rate']:g}"
+
+
+def paired_overheads(runs: list[dict]) -> dict:
+    """Per mode and load: the overhead vs idle from per-request TPOT ratios (request i has
+    the same arrival and prompt in both), per repetition (median of its ratios) and pooled
+    (median of every repetition's ratios), in %. Far less noisy than comparing two runs'
+    medians, whose requests met different batch mixes in different repetitions."""
+    idle = {(load_key(r), r["rep"]): r.get("tpot_ms_by_request") for r in runs
+            if r["mode"] == "idle"}
+    out: dict[str, dict[str, dict]] = {}
+    for r in runs:
+        base = idle.get((load_key(r), r["rep"]))
+        if r["mode"] == "idle" or not base or not r.get("tpot_ms_by_request"):
+            continue
+        ratios = [m / b for m, b in zip(r["tpot_ms_by_request"], base) if m and b]
+        if not ratios:
+            continue
+        cell = out.setdefault(r["mode"], {}).setdefault(load_key(r), {"reps": [], "_all": []})
+        cell["reps"].append(round((statistics.median(ratios) - 1) * 100, 2))
+        cell["_all"] += ratios
+    for by_load in out.values():
+        for cell in by_load.values():
+            cell["pooled"] = round((statistics.median(cell.pop("_all")) - 1) * 100, 2)
+    return out
 
 
 def gpu_name() -> str:
@@ -292,6 +332,8 @@ def main() -> int:
     ap.add_argument("--variant", choices=["stock", "graphtap"], default="graphtap")
     ap.add_argument("--modes", default="idle,steer",
                     help="graphtap modes, alternated: idle, steer, hs, qk, mixed, dump")
+    ap.add_argument("--burst-modes", default="",
+                    help="modes run only at the bursts (e.g. dump: the throughput load)")
     ap.add_argument("--rates", default="1,4,8,16")
     ap.add_argument("--bursts", default="", help="also: N requests at once, e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=3)
