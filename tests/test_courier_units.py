@@ -52,3 +52,47 @@ def test_results_own_their_storage():
         "r", [{SITE: step[10:13], f"{SITE}@positions": torch.tensor([4, 5, 6])}])
     assert out[SITE].untyped_storage().nbytes() == 3 * 8 * 4
     torch.testing.assert_close(out[SITE], step[10:13])
+
+
+def test_step_split_per_request_matches_a_row_by_row_reference():
+    """CaptureSnapshot.per_request against a row-by-row reference: residual rows (full
+    width), k rows of chosen heads (narrower site), v rows of every head, a float32
+    request beside model-dtype ones, one request's rows out of order in the buffer. No
+    result may view the step's buffer (it would pin it)."""
+    import numpy as np
+
+    from graphtap.capture_scheduler import CaptureSnapshot
+
+    width, hd = 16, 2  # buffer row width; attention sites: 4 heads x 2 = 8 columns
+    names = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v"}
+    formats = {}
+    for slot, dtype in ((0, torch.bfloat16), (1, torch.float32), (2, torch.bfloat16)):
+        formats[(slot, 0)] = (dtype, width, None, 0)
+        formats[(slot, 1)] = (dtype, 8, [3, 1] if slot != 2 else [0], hd)
+        formats[(slot, 2)] = (dtype, 8, None, hd)
+    # Site-major as the device writes them; slot 2's site-1 rows are split by slot 0's.
+    labels = [(s, 0, p) for s in (0, 1, 2) for p in range(3)] + \
+        [(2, 1, 5), (0, 1, 0), (0, 1, 1), (2, 1, 4), (1, 1, 7)] + \
+        [(s, 2, p) for s in (1, 0) for p in (4, 5)]
+    rows = torch.randn(len(labels) + 3, width).to(torch.bfloat16)  # + unused rows
+    snap = CaptureSnapshot(rows, torch.tensor(labels + [(9, 9, 9)] * 3), torch.tensor([len(labels)]),
+                           {0: "a", 1: "b", 2: "c", 9: "gone"}, formats, names, 100)
+    out = snap.per_request()
+    assert set(out) == {"a", "b", "c"}
+    for req, slot in (("a", 0), ("b", 1), ("c", 2)):
+        for site, name in names.items():
+            idx = sorted((p, i) for i, (s, si, p) in enumerate(labels) if s == slot and si == site)
+            if not idx:
+                assert name not in out[req]
+                continue
+            dtype, w, heads, _ = formats[(slot, site)]
+            ref = rows[[i for _, i in idx], :w]
+            if site:
+                ref = ref.reshape(len(idx), -1, hd)
+                ref = ref[:, heads] if heads is not None else ref
+            got = out[req][name]
+            assert got.dtype == dtype and torch.equal(got, ref.to(dtype)), (req, name)
+            assert out[req][f"{name}@positions"].tolist() == [p for p, _ in idx]
+            base = rows.untyped_storage().data_ptr()
+            assert not (base <= got.data_ptr() < base + rows.untyped_storage().nbytes())
+    assert np.array_equal(out["c"]["blocks.0.attn.hook_k@positions"].numpy(), [4, 5])

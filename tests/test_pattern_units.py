@@ -154,6 +154,7 @@ def test_steps_that_capture_nothing_route_nothing():
     full.add("all", 10, 1)
     full.add("prompt", 10, 2)  # e.g. k of two heads... as rows per token
     wants = {"probe": probe, "all": full}
+    assert (probe.end, full.end) == (10, L)  # decoding past the probe: no mask scans
     step = lambda computed, scheduled, drafts=None: SimpleNamespace(  # noqa: E731
         req_ids=["probe", "all", "plain"], num_computed_tokens_np=np.array(computed),
         num_scheduled_tokens=np.array(scheduled), num_draft_tokens_per_req=drafts)

@@ -48,15 +48,21 @@ class Wants:
     def __init__(self, max_len: int):
         self.max_len = max_len
         self._by_rule: dict[str, list] = {}  # repr(rule) -> [mask, rows per token]
+        self.end = 0  # past the last wanted position: decoding past a probe costs nothing
 
     def add(self, rule, prompt_len: int, rows_per_token: int) -> None:
         key = repr(rule)
         if key not in self._by_rule:
-            self._by_rule[key] = [position_mask(rule, prompt_len, self.max_len), 0]
+            mask = position_mask(rule, prompt_len, self.max_len)
+            self._by_rule[key] = [mask, 0]
+            wanted = np.flatnonzero(mask)
+            self.end = max(self.end, int(wanted[-1]) + 1 if wanted.size else 0)
         self._by_rule[key][1] += rows_per_token
 
     def rows_in(self, lo: int, hi: int, tokens: int) -> int:
         """Upper bound on rows from `tokens` tokens at positions within [lo, hi)."""
+        if lo >= self.end:
+            return 0
         return sum(per * min(tokens, int(np.count_nonzero(mask[lo:hi])))
                    for mask, per in self._by_rule.values())
 

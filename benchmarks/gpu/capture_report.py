@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Capture overhead vs idle as a markdown table, from one or more bench_tpot.py launches of
+one model (modes alternating, e.g. `--modes idle,hs,qk,mixed --burst-modes dump`).
+
+A cell is the paired overhead vs idle (bench_tpot.paired_overheads: per request, its TPOT
+in that mode over its TPOT in idle in the same repetition), pooled over every repetition of
+every file, then the range of the repetitions' medians and their count. The idle row gives
+idle's median TPOT (median of repetitions).
+
+    python3 benchmarks/gpu/capture_report.py benchmarks/results/capture-llama3-8b-s4-*.json
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_tpot import load_key, paired_overheads  # noqa: E402
+
+MODES = ["hs", "qk", "mixed", "steer", "dump"]
+
+
+def column_order(key: str) -> tuple[int, float]:
+    return (1, float(key[5:])) if key.startswith("burst") else (0, float(key))
+
+
+def table(files: list[Path]) -> str:
+    runs, models = [], set()
+    for i, f in enumerate(files):
+        d = json.loads(f.read_text())
+        models.add(d["model"])
+        runs += [{**r, "rep": (i, r["rep"])} for r in d["runs"]]  # reps differ per file
+    overhead = paired_overheads(runs)
+    idle: dict[str, list[float]] = {}
+    for r in runs:
+        if r["mode"] == "idle":
+            idle.setdefault(load_key(r), []).append(r["tpot_ms_median"])
+    loads = sorted(idle, key=column_order)
+    heads = [f"{k[5:]} at once" if k.startswith("burst") else f"{k} req/s" for k in loads]
+    lines = [f"| {'/'.join(sorted(models))} | " + " | ".join(heads) + " |",
+             "|---|" + "---|" * len(loads),
+             "| idle TPOT | " + " | ".join(f"{statistics.median(idle[k]):.2f} ms"
+                                          for k in loads) + " |"]
+    for mode in [m for m in MODES if m in overhead]:
+        cells = []
+        for k in loads:
+            c = overhead[mode].get(k)
+            cells.append("–" if c is None else
+                         f"{c['pooled']:+.1f} % [{min(c['reps']):+.1f}, {max(c['reps']):+.1f}]"
+                         f" n={len(c['reps'])}")
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    files = [Path(a) for a in sys.argv[1:]]
+    if not files:
+        print(__doc__)
+        return 2
+    print(table(files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
