@@ -139,7 +139,8 @@ def test_courier_split(benchmark, reqs, rows_each, load):
     """The host side of the courier for one step: rows split per request (the
     capture-throughput bottleneck measured on the H200). qk-prefill8: a Llama-3-8B qk
     prefill step of 8 x 256 tokens; copying whole 4096-wide rows for k rows that use
-    1024 made it 12 ms here (and +20 % TPOT at 64 requests at once on the H200)."""
+    1024 made it 12 ms here (and +20 % TPOT at 64 requests at once on the H200); 1.5 ms
+    since."""
     snap = step_snapshot(reqs, rows_each, load)
     out = benchmark(snap.per_request)
     name = snap.site_names[1]

@@ -80,13 +80,12 @@ class LabelledSnapshot:
         flag = torch.tensor([wanted, room, kind], dtype=torch.int64)
         return {req: {OVERFLOW_KEY: flag} for req in self.slot_to_req.values()}
 
-    def groups(self, order: tuple[int, ...], slot_col: int, site_col: int, source=None):
+    def spans(self, order: tuple[int, ...], slot_col: int, site_col: int):
         """Rows sorted by the label columns `order` (most significant first), as
-        (request id, slot, site, labels, rows) per (slot, site) of a live request. Rows
-        come from `source(slot, site)` -> (tensor, index of its first row in the step's
-        rows) (default: the step's pinned host copy): a view where the device wrote the
-        group in order (the usual case: a request's tokens are adjacent in the batch),
-        else a gathered copy."""
+        (request id, slot, site, labels, first, index) per (slot, site) of a live
+        request: index None where the device wrote the group in order (the usual case:
+        a request's tokens are adjacent in the batch), its rows then being first,
+        first + 1, ...; else the rows' indices in order."""
         used = min(int(self.count[0]), self.rows.shape[0])
         if not used:
             return
@@ -105,22 +104,17 @@ class LabelledSnapshot:
                 starts.tolist(), ends.tolist(), labels[starts, slot_col].tolist(),
                 labels[starts, site_col].tolist(), in_order.tolist(), perm[starts].tolist()):
             req = self.slot_to_req.get(slot)
-            if req is None:
-                continue
-            src, lo = (self.rows, 0) if source is None else source(slot, site)
-            rows = src[first - lo:first - lo + end - start] if plain else \
-                src[torch.from_numpy(perm[start:end] - lo)]
-            yield req, slot, site, labels[start:end], rows
+            if req is not None:
+                yield req, slot, site, labels[start:end], first, \
+                    None if plain else perm[start:end]
 
-    def site_ranges(self, site_col: int) -> dict[int, tuple[int, int]]:
-        """site -> (first, last + 1) of its rows among the step's used rows. The device
-        writes rows site-major, so a site's rows are one block (tables.py)."""
-        used = min(int(self.count[0]), self.rows.shape[0])
-        sites = self.labels[:used, site_col].numpy()
-        order = np.argsort(sites, kind="stable")
-        cuts = np.flatnonzero(np.r_[True, np.diff(sites[order]) != 0, True])
-        return {int(sites[order[a]]): (int(order[a:b].min()), int(order[a:b].max()) + 1)
-                for a, b in zip(cuts[:-1], cuts[1:])}
+    def groups(self, order: tuple[int, ...], slot_col: int, site_col: int):
+        """spans() with each group's rows of the pinned step copy: a view where in
+        order, else a gathered copy."""
+        for req, slot, site, labels, first, index in self.spans(order, slot_col, site_col):
+            rows = self.rows[first:first + len(labels)] if index is None else \
+                self.rows[torch.from_numpy(index)]
+            yield req, slot, site, labels, rows
 
 
 class CaptureSnapshot(LabelledSnapshot):
@@ -130,37 +124,50 @@ class CaptureSnapshot(LabelledSnapshot):
         lost = self.overflow()
         if lost is not None:
             return lost
-        out: dict[str, dict[str, torch.Tensor]] = {}
         # Copies out of the pinned step buffer (a view would keep it from going back to
-        # the caching host allocator) of the bytes used only: a row spans the widest
-        # configured site (Llama-3-8B: 4096), a k row of 4 heads uses 512 of it. Where
-        # chosen heads are gathered, that gather is the group's copy; otherwise one copy
-        # per (site, dtype) of the site's block of rows at the site's width, and the
-        # groups are views of it (per-group copies cost ~50 us each on the H200 host:
-        # 192 of them per decode step of 64 requests x 3 sites). Copying the whole step
-        # instead made a qk prefill step of 8 x 256 tokens cost 12 ms here, 67 MB moved.
-        ranges = self.site_ranges(1)
-        blocks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-
-        def source(slot: int, site: int) -> tuple[torch.Tensor, int]:
-            dtype, width, heads, _ = self.formats[(slot, site)]
-            if heads is not None:
-                return self.rows, 0
-            lo, hi = ranges[site]
-            if (site, dtype) not in blocks:
-                blocks[(site, dtype)] = self.rows[lo:hi, :width].to(dtype, copy=True)
-            return blocks[(site, dtype)], lo
-
-        for req, slot, site, labels, rows in self.groups((0, 1, 2), 0, 1, source):
+        # the caching host allocator) of the bytes returned only, in few large copies:
+        # one per (site, output format) over the rows of its in-order groups, each
+        # group then a view of it. A row spans the widest configured site (Llama-3-8B:
+        # 4096 columns) where a k row of 4 heads uses 512; copying whole rows made a
+        # qk prefill step of 8 x 256 tokens cost 12 ms here, 67 MB moved for 8. And
+        # per-group copies cost ~50 us each on the H200 host: 192 of them per decode
+        # step of 64 requests x 3 sites.
+        groups = list(self.spans((0, 1, 2), 0, 1))
+        bounds: dict[tuple, tuple[int, int]] = {}
+        for _, slot, site, labels, first, index in groups:
+            if index is None:
+                key = (site, self._format(slot, site))
+                lo, hi = bounds.get(key, (first, first))
+                bounds[key] = (min(lo, first), max(hi, first + len(labels)))
+        blocks = {key: self._cut(self.rows[lo:hi], key[1]) for key, (lo, hi) in bounds.items()}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for req, slot, site, labels, first, index in groups:
+            fmt = self._format(slot, site)
+            if index is None:
+                lo = bounds[(site, fmt)][0]
+                data = blocks[(site, fmt)][first - lo:first - lo + len(labels)]
+            else:  # out of order in the buffer (rare): a gather of its own
+                data = self._cut(self.rows[torch.from_numpy(index)], fmt)
             name = self.site_names[site]
-            dtype, width, heads, head_dim = self.formats[(slot, site)]
-            data = rows[:, :width]
-            if head_dim:  # attention sites: [rows, heads, head_dim], chosen heads only
-                data = data.reshape(len(labels), -1, head_dim)
-                data = data[:, heads].to(dtype) if heads is not None else data
-            out.setdefault(req, {})[name] = data.contiguous()
+            out.setdefault(req, {})[name] = data
             out[req][f"{name}@positions"] = torch.from_numpy(labels[:, 2].copy())
         return out
+
+    def _format(self, slot: int, site: int) -> tuple:
+        dtype, width, heads, head_dim = self.formats[(slot, site)]
+        return dtype, width, None if heads is None else tuple(heads), head_dim
+
+    @staticmethod
+    def _cut(rows: torch.Tensor, fmt: tuple) -> torch.Tensor:
+        """Rows in an output format, as a new contiguous tensor: [rows, width], or for
+        attention sites [rows, heads, head_dim] of the chosen heads."""
+        dtype, width, heads, head_dim = fmt
+        data = rows[:, :width]
+        if head_dim:
+            data = data.reshape(len(rows), -1, head_dim)
+            if heads is not None:  # the gather is the copy
+                return data[:, list(heads)].to(dtype).contiguous()
+        return data.to(dtype, copy=True).contiguous()
 
 
 class RequestEntries:
