@@ -36,6 +36,11 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
         overhead = data["summary_overhead_vs_idle_pct"]
         assert set(overhead) == {"steer", "hs", "qk", "mixed", "dump"}
         assert set(overhead["dump"]) == {"burst3"} and set(overhead["hs"]) == {"8", "burst3"}
+        sys.path.insert(0, str(SCRIPT.parent))
+        from capture_report import table
+
+        md = table([tmp_path / "tpot-tiny-graphtap-quick.json"])
+        assert "| idle TPOT |" in md and "| hs |" in md and "| dump | – |" in md, md
 
 
 def test_paired_overheads():
