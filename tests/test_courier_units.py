@@ -70,8 +70,9 @@ def test_step_split_per_request_matches_a_row_by_row_reference():
         formats[(slot, 0)] = (dtype, width, None, 0)
         formats[(slot, 1)] = (dtype, 8, [3, 1] if slot != 2 else [0], hd)
         formats[(slot, 2)] = (dtype, 8, None, hd)
-    # Site-major as the device writes them; slot 2's site-1 rows are split by slot 0's.
-    labels = [(s, 0, p) for s in (0, 1, 2) for p in range(3)] + \
+    # Site-major as the device writes them; slot 2's site-1 rows are split by slot 0's;
+    # slot 7 (a request gone since) sits between live rows.
+    labels = [(s, 0, p) for s in (0, 7, 1, 2) for p in range(3)] + \
         [(2, 1, 5), (0, 1, 0), (0, 1, 1), (2, 1, 4), (1, 1, 7)] + \
         [(s, 2, p) for s in (1, 0) for p in (4, 5)]
     rows = torch.randn(len(labels) + 3, width).to(torch.bfloat16)  # + unused rows

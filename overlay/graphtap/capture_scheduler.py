@@ -80,21 +80,25 @@ class LabelledSnapshot:
         flag = torch.tensor([wanted, room, kind], dtype=torch.int64)
         return {req: {OVERFLOW_KEY: flag} for req in self.slot_to_req.values()}
 
-    def spans(self, order: tuple[int, ...], slot_col: int, site_col: int):
-        """Rows sorted by the label columns `order` (most significant first), as
-        (request id, slot, site, labels, first, index) per (slot, site) of a live
-        request: index None where the device wrote the group in order (the usual case:
-        a request's tokens are adjacent in the batch), its rows then being first,
-        first + 1, ...; else the rows' indices in order."""
+    def sorted_labels(self, order: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The used rows' labels sorted by the columns `order` (most significant
+        first), and the permutation that sorts them (sorted i = buffer row perm[i])."""
         used = min(int(self.count[0]), self.rows.shape[0])
-        if not used:
-            return
         labels = self.labels[:used].numpy()
         perm = np.lexsort(tuple(labels[:, c] for c in reversed(order)))
-        labels = labels[perm]
+        return labels[perm], perm
+
+    def spans(self, labels: np.ndarray, perm: np.ndarray, slot_col: int, site_col: int):
+        """Per (slot, site) of a live request, over sorted_labels(): (request id, slot,
+        site, start, end, first, index), the group being labels[start:end]; index None
+        where the device wrote the group in order (the usual case: a request's tokens
+        are adjacent in the batch), its rows then being first, first + 1, ...; else
+        the rows' indices in order."""
+        if not len(labels):
+            return
         keys = labels[:, slot_col] * 1_000_003 + labels[:, site_col]
         starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-        ends = np.r_[starts[1:], used]
+        ends = np.r_[starts[1:], len(labels)]
         # A group is a plain slice when its rows sit in order in the buffer: no break
         # (a step other than +1 in perm) inside it. Vectorised: one pass per step, not
         # per group (a decode step of 64 requests x 3 sites has 192 one-row groups).
@@ -105,16 +109,17 @@ class LabelledSnapshot:
                 labels[starts, site_col].tolist(), in_order.tolist(), perm[starts].tolist()):
             req = self.slot_to_req.get(slot)
             if req is not None:
-                yield req, slot, site, labels[start:end], first, \
-                    None if plain else perm[start:end]
+                yield req, slot, site, start, end, first, None if plain else perm[start:end]
 
     def groups(self, order: tuple[int, ...], slot_col: int, site_col: int):
-        """spans() with each group's rows of the pinned step copy: a view where in
-        order, else a gathered copy."""
-        for req, slot, site, labels, first, index in self.spans(order, slot_col, site_col):
-            rows = self.rows[first:first + len(labels)] if index is None else \
+        """(request id, slot, site, labels, rows) per group, rows sorted by `order`: a
+        view of the pinned step copy where in order, else a gathered copy."""
+        labels, perm = self.sorted_labels(order)
+        for req, slot, site, start, end, first, index in self.spans(labels, perm, slot_col,
+                                                                    site_col):
+            rows = self.rows[first:first + end - start] if index is None else \
                 self.rows[torch.from_numpy(index)]
-            yield req, slot, site, labels, rows
+            yield req, slot, site, labels[start:end], rows
 
 
 class CaptureSnapshot(LabelledSnapshot):
@@ -130,27 +135,30 @@ class CaptureSnapshot(LabelledSnapshot):
         # group then a view of it. A row spans the widest configured site (Llama-3-8B:
         # 4096 columns) where a k row of 4 heads uses 512; copying whole rows made a
         # qk prefill step of 8 x 256 tokens cost 12 ms here, 67 MB moved for 8. And
-        # per-group copies cost ~50 us each on the H200 host: 192 of them per decode
-        # step of 64 requests x 3 sites.
-        groups = list(self.spans((0, 1, 2), 0, 1))
-        bounds: dict[tuple, tuple[int, int]] = {}
-        for _, slot, site, labels, first, index in groups:
+        # per-group copies (or even per-group tensors from numpy) add up: a decode step
+        # of 64 requests x 3 sites has 192 groups, and the H200 host was ~50 us per copy.
+        labels, perm = self.sorted_labels((0, 1, 2))
+        groups = list(self.spans(labels, perm, 0, 1))
+        by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
+        for g, (_, slot, site, start, end, first, index) in enumerate(groups):
             if index is None:
-                key = (site, self._format(slot, site))
-                lo, hi = bounds.get(key, (first, first))
-                bounds[key] = (min(lo, first), max(hi, first + len(labels)))
-        blocks = {key: self._cut(self.rows[lo:hi], key[1]) for key, (lo, hi) in bounds.items()}
+                by_block.setdefault((site, self._format(slot, site)), []).append(
+                    (first, end - start, g))
+        data: dict[int, torch.Tensor] = {}
+        for key, members in by_block.items():
+            members.sort()
+            lo, hi = members[0][0], max(first + n for first, n, _ in members)
+            data.update(_split(self._cut(self.rows[lo:hi], key[1]), lo, members))
+        positions = _split(torch.from_numpy(np.ascontiguousarray(labels[:, 2])), 0,
+                           [(start, end - start, g) for g, (*_, start, end, _, _)
+                            in enumerate(groups)])
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for req, slot, site, labels, first, index in groups:
-            fmt = self._format(slot, site)
-            if index is None:
-                lo = bounds[(site, fmt)][0]
-                data = blocks[(site, fmt)][first - lo:first - lo + len(labels)]
-            else:  # out of order in the buffer (rare): a gather of its own
-                data = self._cut(self.rows[torch.from_numpy(index)], fmt)
+        for g, (req, slot, site, start, end, first, index) in enumerate(groups):
+            rows = data[g] if index is None else \
+                self._cut(self.rows[torch.from_numpy(index)], self._format(slot, site))
             name = self.site_names[site]
-            out.setdefault(req, {})[name] = data
-            out[req][f"{name}@positions"] = torch.from_numpy(labels[:, 2].copy())
+            out.setdefault(req, {})[name] = rows
+            out[req][f"{name}@positions"] = positions[g]
         return out
 
     def _format(self, slot: int, site: int) -> tuple:
@@ -168,6 +176,25 @@ class CaptureSnapshot(LabelledSnapshot):
             if heads is not None:  # the gather is the copy
                 return data[:, list(heads)].to(dtype).contiguous()
         return data.to(dtype, copy=True).contiguous()
+
+
+def _split(t: torch.Tensor, lo: int, members: list[tuple[int, int, int]]) -> dict:
+    """Views of t's rows: {key: t[first - lo:first - lo + n]} for (first, n, key) in
+    members (sorted by first, not overlapping), made by one split call (a Python slice
+    per group cost ~1.5 us each here: 192 groups per decode step of 64 requests x 3
+    sites); the sizes include the gaps between members."""
+    sizes, keys, cursor = [], [], lo
+    for first, n, key in members:
+        if first > cursor:
+            sizes.append(first - cursor)
+            keys.append(None)
+        sizes.append(n)
+        keys.append(key)
+        cursor = first + n
+    if cursor - lo < t.shape[0]:
+        sizes.append(t.shape[0] - (cursor - lo))
+        keys.append(None)
+    return {k: part for k, part in zip(keys, t.split(sizes)) if k is not None}
 
 
 class RequestEntries:
