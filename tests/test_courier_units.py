@@ -97,3 +97,21 @@ def test_step_split_per_request_matches_a_row_by_row_reference():
             base = rows.untyped_storage().data_ptr()
             assert not (base <= got.data_ptr() < base + rows.untyped_storage().nbytes())
     assert np.array_equal(out["c"]["blocks.0.attn.hook_k@positions"].numpy(), [4, 5])
+
+
+def test_every_split_result_serialises_like_vllm_sends_it():
+    """Each tensor of a step's split goes through vLLM's msgpack tensor path (the engine
+    core's output thread; an error there hangs the client). A step of one row caught a
+    1-element positions column with numpy's stride of 3."""
+    from vllm.v1.utils import tensor_data
+
+    from graphtap.capture_scheduler import CaptureSnapshot
+
+    for n in (1, 2, 5):
+        labels = torch.tensor([(0, 0, p) for p in range(n)])
+        snap = CaptureSnapshot(torch.randn(n, 8), labels, torch.tensor([n]), {0: "a"},
+                               {(0, 0): (torch.float32, 8, None, 0)}, {0: "s"}, 100)
+        out = snap.per_request()["a"]
+        for t in out.values():
+            assert len(tensor_data(t)) == t.numel() * t.element_size()
+        assert out["s@positions"].tolist() == list(range(n))

@@ -149,7 +149,9 @@ class CaptureSnapshot(LabelledSnapshot):
             members.sort()
             lo, hi = members[0][0], max(first + n for first, n, _ in members)
             data.update(_split(self._cut(self.rows[lo:hi], key[1]), lo, members))
-        positions = _split(torch.from_numpy(np.ascontiguousarray(labels[:, 2])), 0,
+        # .copy(): numpy calls a 1-element column contiguous and keeps its stride of 3,
+        # which vLLM's tensor serialiser then refuses (a step of one captured row).
+        positions = _split(torch.from_numpy(labels[:, 2].copy()), 0,
                            [(start, end - start, g) for g, (*_, start, end, _, _)
                             in enumerate(groups)])
         out: dict[str, dict[str, torch.Tensor]] = {}
