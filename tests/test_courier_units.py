@@ -65,10 +65,10 @@ def test_step_split_per_request_matches_a_row_by_row_reference():
 
     width, hd = 16, 2  # buffer row width; attention sites: 4 heads x 2 = 8 columns
     names = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v"}
-    formats = {}
+    formats = {}  # as the scheduler keeps them (chosen heads a tuple)
     for slot, dtype in ((0, torch.bfloat16), (1, torch.float32), (2, torch.bfloat16)):
         formats[(slot, 0)] = (dtype, width, None, 0)
-        formats[(slot, 1)] = (dtype, 8, [3, 1] if slot != 2 else [0], hd)
+        formats[(slot, 1)] = (dtype, 8, (3, 1) if slot != 2 else (0,), hd)
         formats[(slot, 2)] = (dtype, 8, None, hd)
     # Site-major as the device writes them; slot 2's site-1 rows are split by slot 0's;
     # slot 7 (a request gone since) sits between live rows.
@@ -90,7 +90,7 @@ def test_step_split_per_request_matches_a_row_by_row_reference():
             ref = rows[[i for _, i in idx], :w]
             if site:
                 ref = ref.reshape(len(idx), -1, hd)
-                ref = ref[:, heads] if heads is not None else ref
+                ref = ref[:, list(heads)] if heads is not None else ref
             got = out[req][name]
             assert got.dtype == dtype and torch.equal(got, ref.to(dtype)), (req, name)
             assert out[req][f"{name}@positions"].tolist() == [p for p, _ in idx]

@@ -123,7 +123,7 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
             f"blocks.{s}.hook_resid_post"
         for r in range(reqs):
             formats[(r, s)] = (torch.bfloat16, width, None, 0) if load == "dump" else \
-                (torch.bfloat16, 1024 if k else width, [0, 1, 2, 3], 128)
+                (torch.bfloat16, 1024 if k else width, (0, 1, 2, 3), 128)
             last = load == "qk" and not k
             labels += [(r, s, p) for p in range(rows_each) if not last or p == rows_each - 1]
     n = len(labels)

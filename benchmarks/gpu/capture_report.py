@@ -12,13 +12,12 @@ idle's median TPOT (median of repetitions).
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_tpot import load_key, paired_overheads  # noqa: E402
+from bench_tpot import summarise  # noqa: E402
 
 MODES = ["hs", "qk", "mixed", "steer", "dump"]
 
@@ -33,17 +32,14 @@ def table(files: list[Path]) -> str:
         d = json.loads(f.read_text())
         models.add(d["model"])
         runs += [{**r, "rep": (i, r["rep"])} for r in d["runs"]]  # reps differ per file
-    overhead = paired_overheads(runs)
-    idle: dict[str, list[float]] = {}
-    for r in runs:
-        if r["mode"] == "idle":
-            idle.setdefault(load_key(r), []).append(r["tpot_ms_median"])
+    merged = {"runs": runs}
+    summarise(merged)  # the same figures bench_tpot.py writes per launch, over all files
+    overhead, idle = merged["summary_overhead_vs_idle_pct"], merged["summary_tpot_ms"]["idle"]
     loads = sorted(idle, key=column_order)
     heads = [f"{k[5:]} at once" if k.startswith("burst") else f"{k} req/s" for k in loads]
     lines = [f"| {'/'.join(sorted(models))} | " + " | ".join(heads) + " |",
              "|---|" + "---|" * len(loads),
-             "| idle TPOT | " + " | ".join(f"{statistics.median(idle[k]):.2f} ms"
-                                          for k in loads) + " |"]
+             "| idle TPOT | " + " | ".join(f"{idle[k]:.2f} ms" for k in loads) + " |"]
     for mode in [m for m in MODES if m in overhead]:
         cells = []
         for k in loads:

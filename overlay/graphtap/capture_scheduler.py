@@ -142,7 +142,7 @@ class CaptureSnapshot(LabelledSnapshot):
         by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
         for g, (_, slot, site, start, end, first, index) in enumerate(groups):
             if index is None:
-                by_block.setdefault((site, self._format(slot, site)), []).append(
+                by_block.setdefault((site, self.formats[(slot, site)]), []).append(
                     (first, end - start, g))
         data: dict[int, torch.Tensor] = {}
         for key, members in by_block.items():
@@ -157,15 +157,11 @@ class CaptureSnapshot(LabelledSnapshot):
         out: dict[str, dict[str, torch.Tensor]] = {}
         for g, (req, slot, site, start, end, first, index) in enumerate(groups):
             rows = data[g] if index is None else \
-                self._cut(self.rows[torch.from_numpy(index)], self._format(slot, site))
+                self._cut(self.rows[torch.from_numpy(index)], self.formats[(slot, site)])
             name = self.site_names[site]
             out.setdefault(req, {})[name] = rows
             out[req][f"{name}@positions"] = positions[g]
         return out
-
-    def _format(self, slot: int, site: int) -> tuple:
-        dtype, width, heads, head_dim = self.formats[(slot, site)]
-        return dtype, width, None if heads is None else tuple(heads), head_dim
 
     @staticmethod
     def _cut(rows: torch.Tensor, fmt: tuple) -> torch.Tensor:
@@ -302,7 +298,8 @@ class CaptureScheduler(RequestEntries):
 
         def describe(i: int, cap: dict, dtype: torch.dtype):  # one row per wanted token
             width, head_dim = self.widths[cap["kind"]]
-            return (dtype, width, cap.get("heads"), head_dim), 1
+            heads = cap.get("heads")  # a tuple: formats key the step split's copies
+            return (dtype, width, None if heads is None else tuple(heads), head_dim), 1
 
         self._add(slot, req_id, prompt_len, entries, self.t.cap_site, self.t.cap_pos, describe)
 
