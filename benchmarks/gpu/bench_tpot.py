@@ -124,7 +124,8 @@ def mode_hooks(mode: str, cfg: dict, vec: list[float]) -> dict | None:
         {"site": f"blocks.{layer}.attn.hook_k", "positions": "prompt", "heads": heads})]
     dump = [{"site": f"blocks.{layer}.hook_resid_post", "positions": "all"}
             for layer in hs_layers(cfg)]
-    return {"idle": None, "plain": None, "steer": {"steer": steer}, "hs": {"capture": hs},
+    return {"idle": None, "idle2": None, "plain": None, "steer": {"steer": steer},
+            "hs": {"capture": hs},
             "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk},
             "dump": {"capture": dump}}[mode]
 
@@ -331,7 +332,7 @@ def main() -> int:
     ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="llama3-8b")
     ap.add_argument("--variant", choices=["stock", "graphtap"], default="graphtap")
     ap.add_argument("--modes", default="idle,steer",
-                    help="graphtap modes, alternated: idle, steer, hs, qk, mixed, dump")
+                    help="graphtap modes, alternated: idle, idle2, steer, hs, qk, mixed, dump")
     ap.add_argument("--burst-modes", default="",
                     help="modes run only at the bursts (e.g. dump: the throughput load)")
     ap.add_argument("--rates", default="1,4,8,16")

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_tpot import summarise  # noqa: E402
 
-MODES = ["hs", "qk", "mixed", "steer", "dump"]
+MODES = ["idle2", "hs", "qk", "mixed", "steer", "dump"]  # idle2: the A/A control
 
 
 def column_order(key: str) -> tuple[int, float]:

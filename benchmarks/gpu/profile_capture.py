@@ -72,6 +72,19 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
             "bytes": nbytes, "rows_per_s": rows / wall, "MB_per_s": nbytes / wall / 2**20}
 
 
+def write_trace(prof, stem: Path) -> str:
+    """The profiled run as a gzipped Chrome trace (chrome://tracing, Perfetto)."""
+    import gzip
+    import shutil
+
+    raw = stem.with_suffix(".json")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    return f"{raw.name}.gz"
+
+
 def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -81,6 +94,9 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--modes", default="idle,hs,qk,mixed,dump,idle")  # e.g. idle,qk,dump,idle
+    ap.add_argument("--trace", action="store_true",
+                    help="also write each mode's profiled run as a gzipped Chrome trace "
+                         "(timelines: with --requests 1, where a capturing prefill's time goes)")
     args = ap.parse_args()
     if args.cpu:
         args.model = "tiny"
@@ -91,11 +107,15 @@ def main() -> int:
     result = {"model": args.model, "requests": args.requests, "in": in_len, "out": out_len,
               "modes": []}
     activities = [ProfilerActivity.CPU] + ([] if args.cpu else [ProfilerActivity.CUDA])
+    out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
+    out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes.split(","):
         r = burst(llm, cfg, mode, args.requests, in_len, out_len)
         with profile(activities=activities) as prof:
             r2 = burst(llm, cfg, mode, args.requests, in_len, out_len)
         r["wall_profiled_s"] = r2["wall_s"]
+        if args.trace:
+            r["trace"] = write_trace(prof, out / f"trace-{args.model}-{mode}-{len(result['modes'])}")
         events = prof.key_averages()
         steps = next((e.count for e in events if e.key == "graphtap.prepare_step"), 0)
         r["steps"] = steps
@@ -111,8 +131,6 @@ def main() -> int:
                              for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]
         result["modes"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "top_host_ops"}), flush=True)
-    out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
-    out.mkdir(parents=True, exist_ok=True)
     (out / "profile-capture.json").write_text(json.dumps(result, indent=1))
     del llm
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
