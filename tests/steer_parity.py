@@ -113,14 +113,15 @@ def test_attention_capture_parity_with_hf(steer_engine):
     llm, path, _, _ = steer_engine
     ids = tokenize(path, [PROMPT])[0]
     caps = [{"site": f"blocks.{ATTN_LAYER}.attn.hook_{k}", "dtype": "float32"} for k in "qkvz"]
-    caps[0]["heads"], caps[2]["heads"] = [1, 3], [0]
+    # q: heads come back in ascending order (adjacent 2, 3 copied as one slice), v: one head
+    caps[0]["heads"], caps[2]["heads"] = [3, 0, 2], [0]
     out = llm.generate([{"prompt_token_ids": ids}],
                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                       hooks={"capture": caps}), use_tqdm=False)[0]
     want, positions = hf_capture_attention(_hf_model(str(path)), ids, MAX_TOKENS, ATTN_LAYER)
     for k, cap in zip("qkvz", caps):
         site = cap["site"]
-        ref = want[k][:, cap["heads"]] if cap.get("heads") else want[k]
+        ref = want[k][:, sorted(cap["heads"])] if cap.get("heads") else want[k]
         assert out.hooks.positions[site].tolist() == positions.tolist(), site
         assert out.hooks[site].shape == ref.shape, (site, out.hooks[site].shape, ref.shape)
         assert (out.hooks[site] - ref).abs().max().item() <= 1e-4, site

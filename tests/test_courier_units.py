@@ -68,7 +68,7 @@ def test_step_split_per_request_matches_a_row_by_row_reference():
     formats = {}  # as the scheduler keeps them (chosen heads a tuple)
     for slot, dtype in ((0, torch.bfloat16), (1, torch.float32), (2, torch.bfloat16)):
         formats[(slot, 0)] = (dtype, width, None, 0)
-        formats[(slot, 1)] = (dtype, 8, (3, 1) if slot != 2 else (0,), hd)
+        formats[(slot, 1)] = (dtype, 8, ((3, 1), (1, 2, 3), (0,))[slot], hd)  # runs, gaps
         formats[(slot, 2)] = (dtype, 8, None, hd)
     # Site-major as the device writes them; slot 2's site-1 rows are split by slot 0's;
     # slot 7 (a request gone since) sits between live rows.
@@ -97,6 +97,15 @@ def test_step_split_per_request_matches_a_row_by_row_reference():
             base = rows.untyped_storage().data_ptr()
             assert not (base <= got.data_ptr() < base + rows.untyped_storage().nbytes())
     assert np.array_equal(out["c"]["blocks.0.attn.hook_k@positions"].numpy(), [4, 5])
+
+
+def test_head_runs_copy_adjacent_heads_as_slices_in_the_order_asked():
+    from graphtap.capture_scheduler import _head_runs
+
+    assert _head_runs((0, 1, 2, 3)) == ((0, 0, 4),)
+    assert _head_runs((5, 2, 3)) == ((0, 5, 1), (1, 2, 2))
+    assert _head_runs((3, 2)) == ((0, 3, 1), (1, 2, 1))
+    assert _head_runs((1, 1)) == ((0, 1, 1), (1, 1, 1))
 
 
 def test_every_split_result_serialises_like_vllm_sends_it():

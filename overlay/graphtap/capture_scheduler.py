@@ -10,6 +10,8 @@ position.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -171,9 +173,28 @@ class CaptureSnapshot(LabelledSnapshot):
         data = rows[:, :width]
         if head_dim:
             data = data.reshape(len(rows), -1, head_dim)
-            if heads is not None:  # the gather is the copy
-                return data[:, list(heads)].to(dtype).contiguous()
+            if heads is not None:  # the copy takes the chosen heads only
+                # Runs of adjacent heads as slice copies: advanced indexing (aten::index)
+                # was the top host op of a qk prefill step on the H200 host, and 11x
+                # slower here than copying the same 4 adjacent heads as one slice.
+                out = torch.empty((len(rows), len(heads), head_dim), dtype=dtype)
+                for dst, src, n in _head_runs(heads):
+                    out[:, dst:dst + n].copy_(data[:, src:src + n])
+                return out
         return data.to(dtype, copy=True).contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def _head_runs(heads: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(output index, source head, count) per run of consecutive heads, in the order
+    asked: (0, 1, 2, 3) is one run, (5, 2, 3) two."""
+    runs: list[list[int]] = []
+    for i, h in enumerate(heads):
+        if runs and h == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, h, 1])
+    return tuple(tuple(r) for r in runs)
 
 
 def _split(t: torch.Tensor, lo: int, members: list[tuple[int, int, int]]) -> dict:
