@@ -15,9 +15,10 @@ import functools
 import numpy as np
 import torch
 
+from graphtap.ops.route import route_captures
 from graphtap.scheduler import Wants, position_bitmap, positions_end, rows_in_step
 from graphtap.sites import SiteTable
-from graphtap.tables import CaptureTables, entry_bits, host_to_device
+from graphtap.tables import CaptureTables, host_to_device
 
 # value: [rows wanted, capacity, kind]; kind 0 capture rows, 1 pattern rows, 2 the host's
 # row bound was short (a graphtap bug: reported, never a silent loss)
@@ -312,6 +313,11 @@ class CaptureScheduler(RequestEntries):
                  model_dtype: torch.dtype, device: torch.device, widths: dict[str, tuple]):
         super().__init__(tables, sites, max_len, model_dtype, device)
         self.widths = widths  # kind -> (row width, head_dim or 0)
+        if device.type == "cuda":
+            # Compile the routing kernels now, not in the first capturing step: one token
+            # of the sentinel slot wants nothing, so the tables stay as they are.
+            sentinel = torch.full((1,), tables.cap_site.shape[0] - 1, device=device)
+            route_captures(tables, sentinel, torch.zeros_like(sentinel), max_len)
 
     def add_request(self, slot: int, req_id: str, prompt_len: int, hooks: dict | None) -> None:
         # Attention patterns have their own tables (pattern_scheduler.py).
@@ -337,27 +343,7 @@ class CaptureScheduler(RequestEntries):
             self._step = None
             return
         n = input_batch.num_tokens_after_padding
-        num_sites = t.cap_dst.shape[0]
-        slot = tok_slot[:n]
-        pos = input_batch.positions[:n].long().clamp(0, self.max_len - 1)
-        tokens = torch.arange(n, device=slot.device)
-        # All entries at once: a fixed number of kernels per step, whatever max_captures.
-        # A request names each site once, so active (site, token) pairs never collide and
-        # a plain index_put_ suffices; inactive entries write into an extra, dropped row.
-        # (accumulate=True would take CUDA's sort-based path every step.)
-        site = t.cap_site[slot].long()  # [n, C]
-        on = (site >= 0) & entry_bits(t.cap_pos, slot, pos)
-        want = torch.zeros((num_sites + 1, n), dtype=torch.bool, device=slot.device)
-        want.index_put_((torch.where(on, site, num_sites), tokens[:, None].expand_as(site)), on)
-        flat = want[:num_sites].flatten()
-        index = torch.cumsum(flat, 0) - 1
-        dst = torch.where(flat & (index < t.rows), index, t.rows)
-        t.cap_dst[:, :n].copy_(dst.view(num_sites, n))
-        t.count.copy_(flat.sum().reshape(1))
-        sites = torch.arange(num_sites, device=slot.device).repeat_interleave(n)
-        labels = torch.stack((slot.repeat(num_sites), sites, pos.repeat(num_sites)), dim=1)
-        t.meta[:, 0].fill_(-1)
-        t.meta.index_copy_(0, dst, labels)
+        route_captures(t, tok_slot[:n], input_batch.positions[:n], self.max_len)
         self._idle = False
         self._set_step(input_batch, capturing)  # host-side bound on the rows used: no sync
 

@@ -101,6 +101,9 @@ class SteerTables(DeviceTables):
         return t
 
 
+ROUTE_MIN_BLOCK = 16  # smallest token block of the GPU routing kernels (route_triton.py)
+
+
 @dataclass
 class CaptureTables(RowBuffer):
     """Capture routing and storage (C capture entries per slot, S sites, K rows):
@@ -113,6 +116,8 @@ class CaptureTables(RowBuffer):
                          split is a plain copy for dtype "model" (an upcast for "float32").
       meta[K+1, 3]       (slot, site, position) of each row; slot -1 = unused row
       count[1]           rows this step wanted (more than K means overflow)
+      route_flags[S, N]  scratch of the GPU routing: whether (site, token row) is wanted
+      route_counts[B]    scratch of the GPU routing: wanted pairs per (site, token block)
     """
 
     cap_site: torch.Tensor
@@ -121,6 +126,8 @@ class CaptureTables(RowBuffer):
     buf: torch.Tensor
     meta: torch.Tensor
     count: torch.Tensor
+    route_flags: torch.Tensor
+    route_counts: torch.Tensor
 
     @classmethod
     def allocate(cls, *, max_reqs: int, max_tokens: int, max_captures: int, num_sites: int,
@@ -135,6 +142,10 @@ class CaptureTables(RowBuffer):
             buf=torch.zeros((rows + 1, hidden), dtype=dtype, device=device),
             meta=torch.full((rows + 1, 3), -1, **i64),
             count=torch.zeros((1,), **i64),
+            route_flags=torch.zeros((max(num_sites, 1), max_tokens), dtype=torch.int8,
+                                    device=device),
+            route_counts=torch.zeros((max(num_sites, 1) * -(-max_tokens // ROUTE_MIN_BLOCK),),
+                                     dtype=torch.int32, device=device),
         )
 
 

@@ -1,0 +1,54 @@
+"""Capture routing for one step: which (site, token row) pairs are wanted, the buffer row
+each gets, and its label. Runs on the host's stream before the forward (not inside the
+graph): it fills `cap_dst`, `meta` and `count`, which the graph's capture ops and the
+courier read.
+
+Rows are numbered site-major (every wanted token of site 0, then site 1, ...), in token
+order within a site; pairs past the buffer's capacity go to the trash row and are counted,
+so the courier reports the overflow instead of losing rows. Torch here (the spec of truth,
+and the CPU path); on a GPU two Triton kernels do the same in two launches instead of ~35
+small ops, whose launch cost made this the largest host cost of a capturing step on the
+H200's host (route_triton.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from graphtap.tables import CaptureTables, entry_bits
+
+
+def route_captures(t: CaptureTables, slot: torch.Tensor, positions: torch.Tensor,
+                   max_len: int) -> None:
+    """slot [n]: each token row's request slot (the sentinel: none); positions [n] (any
+    integer dtype), clamped to [0, max_len) as the ops clamp them."""
+    if slot.is_cuda:
+        from graphtap.ops.route_triton import route_triton
+
+        route_triton(t, slot, positions, max_len)
+        return
+    route_reference(t, slot, positions, max_len)
+
+
+def route_reference(t: CaptureTables, slot: torch.Tensor, positions: torch.Tensor,
+                    max_len: int) -> None:
+    n = slot.shape[0]
+    pos = positions.long().clamp(0, max_len - 1)
+    num_sites = t.cap_dst.shape[0]
+    tokens = torch.arange(n, device=slot.device)
+    # All entries at once: a fixed number of kernels per step, whatever max_captures.
+    # A request names each site once, so active (site, token) pairs never collide and
+    # a plain index_put_ suffices; inactive entries write into an extra, dropped row.
+    # (accumulate=True would take CUDA's sort-based path every step.)
+    site = t.cap_site[slot].long()  # [n, C]
+    on = (site >= 0) & entry_bits(t.cap_pos, slot, pos)
+    want = torch.zeros((num_sites + 1, n), dtype=torch.bool, device=slot.device)
+    want.index_put_((torch.where(on, site, num_sites), tokens[:, None].expand_as(site)), on)
+    flat = want[:num_sites].flatten()
+    index = torch.cumsum(flat, 0) - 1
+    dst = torch.where(flat & (index < t.rows), index, t.rows)
+    t.cap_dst[:, :n].copy_(dst.view(num_sites, n))
+    t.count.copy_(flat.sum().reshape(1))
+    sites = torch.arange(num_sites, device=slot.device).repeat_interleave(n)
+    labels = torch.stack((slot.repeat(num_sites), sites, pos.repeat(num_sites)), dim=1)
+    t.meta[:, 0].fill_(-1)
+    t.meta.index_copy_(0, dst, labels)
