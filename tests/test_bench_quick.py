@@ -66,3 +66,17 @@ def test_report_merges_results(tmp_path):
     assert res.returncode == 0, res.stderr
     md = (tmp_path / "tpot.md").read_text()
     assert "graphtap steer" in md and "+1.00 %" in md and "+0.20 %" in md
+
+
+def test_capture_report_verdict_says_when_the_noise_hides_a_target():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from capture_report import verdict
+
+    cell = lambda pooled: {"reps": [pooled], "pooled": pooled}  # noqa: E731
+    met = {"hs": {"8": cell(0.4), "burst64": cell(2.4)}, "qk": {"16": cell(3.6)}}
+    out = verdict(met)
+    assert "hs: worst +2.4 % at burst64 vs ≤ 2.5 %: met" in out
+    assert "qk: worst +3.6 % at 16 vs ≤ 3.5 %: not met" in out and "A/A" not in out
+    noisy = verdict({**met, "idle2": {"8": cell(-4.0), "16": cell(1.0)}})
+    assert "hs: worst +2.4 % at burst64 vs ≤ 2.5 %: met (A/A noise 4.0 % > target" in noisy
+    assert "worst |pooled| 4.0 %" in noisy
