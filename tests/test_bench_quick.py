@@ -32,6 +32,7 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
     assert {r["rate"] for r in data["runs"]} == {8.0, "burst3"}
     assert all(r["rate"] == "burst3" for r in data["runs"] if r["mode"] == "dump")
     assert all(len(r["tpot_ms_by_request"]) == r["requests"] for r in data["runs"])
+    assert all(r["frontend_gc_ms"] >= 0 and r["frontend_gc_full"] >= 0 for r in data["runs"])
     if variant == "graphtap":
         overhead = data["summary_overhead_vs_idle_pct"]
         assert set(overhead) == {"steer", "hs", "qk", "mixed", "dump"}

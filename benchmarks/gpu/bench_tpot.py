@@ -19,8 +19,10 @@ the reported figure is the median of the repetitions. Inside a repetition every 
 the same arrival times and prompts, and the modes' order rotates between repetitions (no
 mode always follows dump), so a mode's overhead vs idle is measured paired: per request,
 its TPOT in that mode over its TPOT in idle (`summary_overhead_vs_idle_pct`: median of
-those ratios per repetition, and pooled over repetitions). Results: JSON per launch, then
-`--report` merges them into a markdown table of overhead vs stock.
+those ratios per repetition, and pooled over repetitions). After the warm-up the process's
+GC heap is frozen, as `vllm serve` does; each run records the collector's pauses.
+Results: JSON per launch, then `--report` merges them into a markdown table of overhead
+vs stock.
 
   GPU:  bench_tpot.py --model llama3-8b --variant stock --out benchmarks/results
   CPU:  bench_tpot.py --quick --variant graphtap   (tiny model, CI smoke; no speed claims)
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -167,11 +170,13 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
     extra = {"hooks": hooks} if hooks else {}  # stock vLLM has no such field
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0,
                             output_kind=RequestOutputKind.CUMULATIVE, **extra)
+    pauses = GcPauses()
     t0 = time.perf_counter()
     tasks = [one_request(engine, f"r{rate}-{rep}-{i}-{time.monotonic_ns()}",
                          rng.integers(10, vocab - 10, args.input_len).tolist(), params,
                          float(starts[i]), t0) for i in range(n)]
-    results = await asyncio.gather(*tasks)
+    with pauses:
+        results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
     all_times = [t for t, _ in results]
     rows, nbytes, failed = (sum(c[i] for _, c in results) for i in range(3))
@@ -187,7 +192,33 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
             "rows_per_s": rows / wall,
             # a capturing request with no rows and no error would be a silent loss
             "rows_per_request_min": min(per_request), "rows_per_request_max": max(per_request),
-            "tpot_ms_by_request": by_request}
+            "tpot_ms_by_request": by_request,
+            # the frontend's (this process's) garbage-collector pauses during the run
+            "frontend_gc_ms": round(pauses.ms, 2), "frontend_gc_full": pauses.full}
+
+
+class GcPauses:
+    """Times the garbage collector's pauses in this process while active (gc.callbacks):
+    in-process AsyncLLM's output handling and the client share this process, so a long
+    collection delays every running request's tokens at once."""
+
+    def __init__(self):
+        self.ms, self.full, self._t = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.ms += (time.perf_counter() - self._t) * 1000
+            self.full += info["generation"] == 2
+            self._t = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
 
 
 async def bench(args) -> dict:
@@ -208,6 +239,12 @@ async def bench(args) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         await run_rate(engine, args, cfg, max(args.rates or [8.0]), -1, None)  # warm-up only
+        # As `vllm serve` does after start (server_utils): the frontend's static objects
+        # leave the collector's reach, so its pauses do not scan them (the engine core
+        # freezes its own heap). Pauses that remain are counted per run.
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
         for rep in range(args.reps):
             loads = [(rate, 0) for rate in args.rates] + [(1.0, b) for b in args.bursts]
             for rate, burst in loads:
