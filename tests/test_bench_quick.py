@@ -47,7 +47,7 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
 def test_paired_overheads():
     """Per-request ratios vs idle in the same repetition, per rep and pooled."""
     sys.path.insert(0, str(SCRIPT.parent))
-    from bench_tpot import paired_overheads
+    from tpot_stats import paired_overheads
 
     runs = [{"mode": "idle", "rate": 8.0, "rep": 0, "tpot_ms_by_request": [5.0, 10.0, None]},
             {"mode": "hs", "rate": 8.0, "rep": 0, "tpot_ms_by_request": [5.1, 10.2, 7.0]},

@@ -43,6 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tpot_stats import summarise  # noqa: E402
+
 ARCHS = {  # real architecture shapes; weights are dummy (speed does not depend on them)
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -263,44 +266,6 @@ async def bench(args) -> dict:
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result
-
-
-def summarise(result: dict) -> None:
-    summary: dict[str, dict[str, float]] = {}
-    for r in result["runs"]:
-        key = load_key(r)
-        summary.setdefault(r["mode"], {}).setdefault(key, []).append(r["tpot_ms_median"])
-    result["summary_tpot_ms"] = {m: {k: statistics.median(v) for k, v in d.items()}
-                                 for m, d in summary.items()}
-    result["summary_overhead_vs_idle_pct"] = paired_overheads(result["runs"])
-
-
-def load_key(r: dict) -> str:
-    return r["rate"] if isinstance(r["rate"], str) else f"{r['rate']:g}"
-
-
-def paired_overheads(runs: list[dict]) -> dict:
-    """Per mode and load: the overhead vs idle from per-request TPOT ratios (request i has
-    the same arrival and prompt in both), per repetition (median of its ratios) and pooled
-    (median of every repetition's ratios), in %. Far less noisy than comparing two runs'
-    medians, whose requests met different batch mixes in different repetitions."""
-    idle = {(load_key(r), r["rep"]): r.get("tpot_ms_by_request") for r in runs
-            if r["mode"] == "idle"}
-    out: dict[str, dict[str, dict]] = {}
-    for r in runs:
-        base = idle.get((load_key(r), r["rep"]))
-        if r["mode"] == "idle" or not base or not r.get("tpot_ms_by_request"):
-            continue
-        ratios = [m / b for m, b in zip(r["tpot_ms_by_request"], base) if m and b]
-        if not ratios:
-            continue
-        cell = out.setdefault(r["mode"], {}).setdefault(load_key(r), {"reps": [], "_all": []})
-        cell["reps"].append(round((statistics.median(ratios) - 1) * 100, 2))
-        cell["_all"] += ratios
-    for by_load in out.values():
-        for cell in by_load.values():
-            cell["pooled"] = round((statistics.median(cell.pop("_all")) - 1) * 100, 2)
-    return out
 
 
 def gpu_name() -> str:

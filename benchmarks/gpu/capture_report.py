@@ -2,7 +2,7 @@
 """Capture overhead vs idle as a markdown table, from one or more bench_tpot.py launches of
 one model (modes alternating, e.g. `--modes idle,hs,qk,mixed --burst-modes dump`).
 
-A cell is the paired overhead vs idle (bench_tpot.paired_overheads: per request, its TPOT
+A cell is the paired overhead vs idle (tpot_stats.paired_overheads: per request, its TPOT
 in that mode over its TPOT in idle in the same repetition), pooled over every repetition of
 every file, then the range of the repetitions' medians and their count. The idle row gives
 idle's median TPOT (median of repetitions). Below the table: each target's worst cell,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_tpot import summarise  # noqa: E402
+from tpot_stats import summarise  # noqa: E402
 
 MODES = ["idle2", "hs", "qk", "mixed", "steer", "dump"]  # idle2: the A/A control
 TARGETS = {"hs": 2.5, "qk": 3.5}  # issue 4: TPOT overhead vs idle, %, at every load

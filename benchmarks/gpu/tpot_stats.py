@@ -1,0 +1,43 @@
+"""Figures of bench_tpot.py runs: median TPOT per mode and load, and each mode's overhead
+vs idle paired per request (shared by bench_tpot.py and capture_report.py)."""
+from __future__ import annotations
+
+import statistics
+
+
+def summarise(result: dict) -> None:
+    summary: dict[str, dict[str, float]] = {}
+    for r in result["runs"]:
+        key = load_key(r)
+        summary.setdefault(r["mode"], {}).setdefault(key, []).append(r["tpot_ms_median"])
+    result["summary_tpot_ms"] = {m: {k: statistics.median(v) for k, v in d.items()}
+                                 for m, d in summary.items()}
+    result["summary_overhead_vs_idle_pct"] = paired_overheads(result["runs"])
+
+
+def load_key(r: dict) -> str:
+    return r["rate"] if isinstance(r["rate"], str) else f"{r['rate']:g}"
+
+
+def paired_overheads(runs: list[dict]) -> dict:
+    """Per mode and load: the overhead vs idle from per-request TPOT ratios (request i has
+    the same arrival and prompt in both), per repetition (median of its ratios) and pooled
+    (median of every repetition's ratios), in %. Far less noisy than comparing two runs'
+    medians, whose requests met different batch mixes in different repetitions."""
+    idle = {(load_key(r), r["rep"]): r.get("tpot_ms_by_request") for r in runs
+            if r["mode"] == "idle"}
+    out: dict[str, dict[str, dict]] = {}
+    for r in runs:
+        base = idle.get((load_key(r), r["rep"]))
+        if r["mode"] == "idle" or not base or not r.get("tpot_ms_by_request"):
+            continue
+        ratios = [m / b for m, b in zip(r["tpot_ms_by_request"], base) if m and b]
+        if not ratios:
+            continue
+        cell = out.setdefault(r["mode"], {}).setdefault(load_key(r), {"reps": [], "_all": []})
+        cell["reps"].append(round((statistics.median(ratios) - 1) * 100, 2))
+        cell["_all"] += ratios
+    for by_load in out.values():
+        for cell in by_load.values():
+            cell["pooled"] = round((statistics.median(cell.pop("_all")) - 1) * 100, 2)
+    return out
