@@ -38,8 +38,10 @@ def engine(path: str, cfg: dict, cpu: bool):
 
     # Every capture mode's sites, whichever modes run: the same configuration as a
     # bench_tpot.py launch of all modes, so the two share compiled artifacts.
+    # log stats on: each output then carries its time to first token (RequestStateStats).
     kw = dict(model=path, seed=0, max_model_len=400, max_num_seqs=64, hook_manager="graphtap",
-              hook_config=hook_config(cfg, ["mixed", "dump"]), enable_prefix_caching=False)
+              hook_config=hook_config(cfg, ["mixed", "dump"]), enable_prefix_caching=False,
+              disable_log_stats=False)
     if cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         kw.update(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
@@ -68,8 +70,12 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
     wall = time.perf_counter() - t0
     errors = [o.hooks.error for o in outs if o.hooks is not None and o.hooks.error]
     rows, nbytes, _ = (sum(c) for c in zip(*(count_rows(o.hooks) for o in outs)))
+    ttft = [o.metrics.first_token_latency * 1000 for o in outs
+            if getattr(o.metrics, "first_token_latency", None)]
     return {"mode": mode, "wall_s": wall, "errors": errors[:1], "rows": rows,
-            "bytes": nbytes, "rows_per_s": rows / wall, "MB_per_s": nbytes / wall / 2**20}
+            "bytes": nbytes, "rows_per_s": rows / wall, "MB_per_s": nbytes / wall / 2**20,
+            # in-process: no IPC between engine core and frontend in this figure
+            "ttft_ms_median": float(np.median(ttft)) if ttft else None}
 
 
 def write_trace(prof, stem: Path) -> str:
