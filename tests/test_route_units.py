@@ -49,3 +49,31 @@ def test_triton_routing_with_nothing_wanted_routes_every_row_to_the_trash():
     t.cap_dst.fill_(7)
     route_triton(t, torch.full((40,), 6), torch.arange(40), 100, block=16)  # all sentinel
     assert (t.cap_dst[:, :40] == 50).all() and t.count.item() == 0
+
+
+@pytest.mark.parametrize("n", [1, 17, 64, 90], ids=["one", "blocks", "exact", "padding"])
+def test_triton_token_routing_matches_the_reference(n):
+    """Each token row's slot and batch row (searchsorted over the query start locations),
+    padding rows past the last request's tokens to the sentinel."""
+    from graphtap.ops.route import route_tokens_reference
+    from graphtap.ops.route_triton import route_tokens_triton
+    from graphtap.tables import SteerTables
+
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        ref = SteerTables.allocate(max_reqs=8, max_tokens=96, max_steers=1, max_vectors=1,
+                                   hidden=4, max_len=64, dtype=torch.float32, device="cpu")
+        tri = copy.deepcopy(ref)
+        num_reqs = int(torch.randint(1, 9, (1,), generator=g))
+        used = n if n != 90 else 70  # "padding": the last 20 rows belong to no request
+        cuts = torch.sort(torch.randperm(used - 1, generator=g)[:num_reqs - 1] + 1).values \
+            if used > 1 and num_reqs > 1 else torch.tensor([], dtype=torch.int64)
+        num_reqs = len(cuts) + 1
+        qsl = torch.cat([torch.tensor([0]), cuts, torch.tensor([used])]).to(torch.int32)
+        qsl = torch.cat([qsl, torch.full((3,), used, dtype=torch.int32)])  # stale tail
+        idx = torch.randperm(8, generator=g)[:num_reqs]
+        route_tokens_reference(ref, qsl, idx, n, num_reqs)
+        route_tokens_triton(tri, qsl, idx, n, num_reqs, block=16)
+        assert torch.equal(tri.tok_slot, ref.tok_slot), (seed, qsl, idx)
+        assert torch.equal(tri.tok_row, ref.tok_row), seed
+        assert (ref.tok_slot[used:n] == ref.sentinel).all()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from graphtap.ops.route import route_tokens
 from graphtap.sites import SiteTable
 from graphtap.tables import SteerTables, host_to_device
 from graphtap.vectors import VectorBank
@@ -112,9 +113,13 @@ class SteerScheduler:
         self.device = device
         self.bank = VectorBank(tables)
         self._keys: dict[str, list[str]] = {}  # req_id -> vector keys it holds
-        self._arange = torch.arange(tables.tok_slot.shape[0], dtype=torch.int32, device=device)
         self._last_layout: tuple | None = None
         self._all_inactive = True
+        if device.type == "cuda":
+            # Compile the routing kernel now, with the batch's dtypes (query start
+            # locations int32, batch row -> slot int64): one token of the sentinel.
+            qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+            route_tokens(tables, qsl, torch.full((1,), tables.sentinel, device=device), 1, 1)
 
     # -------------------------------------------------------------- requests
     def add_request(self, slot: int, req_id: str, prompt_len: int, hooks: dict | None) -> None:
@@ -168,15 +173,8 @@ class SteerScheduler:
                   input_batch.query_start_loc_np[: input_batch.num_reqs + 1].tobytes())
         if layout == self._last_layout:
             return  # same requests, same token rows: the table already says this
-        num_reqs = input_batch.num_reqs
-        qsl = input_batch.query_start_loc[: num_reqs + 1]
-        rows = self._arange[:n]
-        batch_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)
-        batch_row.clamp_(max=num_reqs - 1)
-        slot = input_batch.idx_mapping[batch_row].to(torch.int64)
-        slot = torch.where(rows < qsl[num_reqs], slot, self.t.sentinel)
-        self.t.tok_slot[:n].copy_(slot)
-        self.t.tok_row[:n].copy_(batch_row)  # block-table row, for attention patterns
+        route_tokens(self.t, input_batch.query_start_loc, input_batch.idx_mapping, n,
+                     input_batch.num_reqs)
         self._last_layout = layout
         self._all_inactive = False
 

@@ -1,20 +1,46 @@
-"""Capture routing for one step: which (site, token row) pairs are wanted, the buffer row
-each gets, and its label. Runs on the host's stream before the forward (not inside the
+"""Per-step routing on the device: each token row's request slot (route_tokens, for every
+hook), and for captures which (site, token row) pairs are wanted, the buffer row each gets
+and its label (route_captures). Runs on the host's stream before the forward (not inside the
 graph): it fills `cap_dst`, `meta` and `count`, which the graph's capture ops and the
 courier read.
 
 Rows are numbered site-major (every wanted token of site 0, then site 1, ...), in token
 order within a site; pairs past the buffer's capacity go to the trash row and are counted,
 so the courier reports the overflow instead of losing rows. Torch here (the spec of truth,
-and the CPU path); on a GPU two Triton kernels do the same in two launches instead of ~35
-small ops, whose launch cost made this the largest host cost of a capturing step on the
-H200's host (route_triton.py).
+and the CPU path); on a GPU Triton kernels do the same in one launch (tokens) and two
+(captures) instead of ~8 and ~35 small ops, whose launch cost made this the largest host
+cost of a capturing step on the H200's host (route_triton.py).
 """
 from __future__ import annotations
 
 import torch
 
-from graphtap.tables import CaptureTables, entry_bits
+from graphtap.tables import CaptureTables, SteerTables, entry_bits
+
+
+def route_tokens(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int,
+                 num_reqs: int) -> None:
+    """tok_slot[:n] and tok_row[:n]: the request slot and batch row of each token row, from
+    the batch's query start locations (qsl [num_reqs + 1]) and its batch row -> slot map;
+    rows past the last request's tokens (padding) get the sentinel."""
+    if qsl.is_cuda:
+        from graphtap.ops.route_triton import route_tokens_triton
+
+        route_tokens_triton(t, qsl, idx_mapping, n, num_reqs)
+        return
+    route_tokens_reference(t, qsl, idx_mapping, n, num_reqs)
+
+
+def route_tokens_reference(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor,
+                           n: int, num_reqs: int) -> None:
+    qsl = qsl[: num_reqs + 1]
+    rows = torch.arange(n, dtype=qsl.dtype, device=qsl.device)
+    batch_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)
+    batch_row.clamp_(max=num_reqs - 1)
+    slot = idx_mapping[batch_row].to(torch.int64)
+    slot = torch.where(rows < qsl[num_reqs], slot, t.sentinel)
+    t.tok_slot[:n].copy_(slot)
+    t.tok_row[:n].copy_(batch_row)  # block-table row, for attention patterns
 
 
 def route_captures(t: CaptureTables, slot: torch.Tensor, positions: torch.Tensor,

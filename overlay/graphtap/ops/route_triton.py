@@ -1,11 +1,13 @@
-"""Capture routing on the GPU (route.py's route_reference, in two launches).
+"""Per-step routing on the GPU (route.py's references, in three launches).
 
-The torch version is ~35 small ops; on the H200's host each launch cost tens of
-microseconds, ~3 ms per capturing step on the engine's critical path (prepare_step,
-profiled), which small models pay in full. Here: one kernel marks the wanted (site,
-token) pairs of each block of tokens and counts them, a second turns the counts before a
-block into its first buffer row and writes rows and labels. Launch shapes and constexprs
-are fixed per engine (the token count only sets the grid), so nothing is compiled after
+The torch versions are ~8 (token slots) and ~35 (capture rows) small ops; on the H200's
+host each launch cost tens of microseconds, ~3 ms per capturing step on the engine's
+critical path (prepare_step, profiled), which small models pay in full. Here: one kernel
+finds each token row's request by binary search over the batch's query start locations;
+for captures, one kernel marks the wanted (site, token) pairs of each block of tokens and
+counts them, a second turns the counts before a block into its first buffer row and
+writes rows and labels. Launch shapes and constexprs are fixed per engine (token and
+request counts only set the grid or are not specialised), so nothing is compiled after
 the warm-up at start.
 """
 from __future__ import annotations
@@ -14,9 +16,39 @@ import torch
 import triton
 import triton.language as tl
 
-from graphtap.tables import ROUTE_MIN_BLOCK, CaptureTables
+from graphtap.tables import ROUTE_MIN_BLOCK, CaptureTables, SteerTables
 
 BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["n", "num_reqs"])
+def _tokens_kernel(qsl_ptr, idx_ptr, slot_ptr, row_ptr, n, num_reqs, SENTINEL,
+                   STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    # batch row = how many of qsl[1..num_reqs] are <= the token row (searchsorted, right)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + num_reqs
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(qsl_ptr + 1 + mid, mask=m & active, other=0)
+        lo = tl.where(active & (v <= offs), mid + 1, lo)
+        hi = tl.where(active & (v > offs), mid, hi)
+    row = tl.minimum(lo, num_reqs - 1)
+    slot = tl.load(idx_ptr + row, mask=m, other=0).to(tl.int64)
+    slot = tl.where(offs < tl.load(qsl_ptr + num_reqs), slot, SENTINEL)
+    tl.store(slot_ptr + offs, slot, mask=m)
+    tl.store(row_ptr + offs, row.to(tl.int64), mask=m)
+
+
+def route_tokens_triton(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int,
+                        num_reqs: int, block: int = BLOCK) -> None:
+    if n == 0 or num_reqs == 0:
+        return
+    steps = (t.sentinel + 1).bit_length() + 1  # enough halvings for max_num_seqs, fixed
+    _tokens_kernel[(triton.cdiv(n, block),)](qsl, idx_mapping, t.tok_slot, t.tok_row, n,
+                                              num_reqs, t.sentinel, STEPS=steps, BLOCK=block)
 
 
 @triton.jit(do_not_specialize=["n", "nb"])
