@@ -77,3 +77,12 @@ def test_triton_token_routing_matches_the_reference(n):
         assert torch.equal(tri.tok_slot, ref.tok_slot), (seed, qsl, idx)
         assert torch.equal(tri.tok_row, ref.tok_row), seed
         assert (ref.tok_slot[used:n] == ref.sentinel).all()
+
+
+def test_torch_routing_switch(monkeypatch):
+    from graphtap.ops.route import torch_routing
+
+    monkeypatch.delenv("GRAPHTAP_TORCH_ROUTING", raising=False)
+    assert not torch_routing()
+    monkeypatch.setenv("GRAPHTAP_TORCH_ROUTING", "1")
+    assert torch_routing()

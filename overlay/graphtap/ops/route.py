@@ -9,13 +9,21 @@ order within a site; pairs past the buffer's capacity go to the trash row and ar
 so the courier reports the overflow instead of losing rows. Torch here (the spec of truth,
 and the CPU path); on a GPU Triton kernels do the same in one launch (tokens) and two
 (captures) instead of ~8 and ~35 small ops, whose launch cost made this the largest host
-cost of a capturing step on the H200's host (route_triton.py).
+cost of a capturing step on the H200's host (route_triton.py). GRAPHTAP_TORCH_ROUTING=1
+keeps the torch versions on GPUs too: the A/B of the kernels' gain, and a way around them.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from graphtap.tables import CaptureTables, SteerTables, entry_bits
+
+
+def torch_routing() -> bool:
+    """GRAPHTAP_TORCH_ROUTING=1: the torch versions on every device."""
+    return os.environ.get("GRAPHTAP_TORCH_ROUTING", "") == "1"
 
 
 def route_tokens(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int,
@@ -23,7 +31,7 @@ def route_tokens(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor, n
     """tok_slot[:n] and tok_row[:n]: the request slot and batch row of each token row, from
     the batch's query start locations (qsl [num_reqs + 1]) and its batch row -> slot map;
     rows past the last request's tokens (padding) get the sentinel."""
-    if qsl.is_cuda:
+    if qsl.is_cuda and not torch_routing():
         from graphtap.ops.route_triton import route_tokens_triton
 
         route_tokens_triton(t, qsl, idx_mapping, n, num_reqs)
@@ -47,7 +55,7 @@ def route_captures(t: CaptureTables, slot: torch.Tensor, positions: torch.Tensor
                    max_len: int) -> None:
     """slot [n]: each token row's request slot (the sentinel: none); positions [n] (any
     integer dtype), clamped to [0, max_len) as the ops clamp them."""
-    if slot.is_cuda:
+    if slot.is_cuda and not torch_routing():
         from graphtap.ops.route_triton import route_triton
 
         route_triton(t, slot, positions, max_len)
