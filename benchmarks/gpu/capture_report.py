@@ -61,9 +61,13 @@ def merged(files: list[Path]) -> tuple[dict, set[str]]:
 
 
 def table(files: list[Path]) -> str:
-    merged_runs, models = merged(files)
-    overhead = merged_runs["summary_overhead_vs_idle_pct"]
-    idle = merged_runs["summary_tpot_ms"]["idle"]
+    return render(*merged(files))
+
+
+def render(result: dict, models: set[str]) -> str:
+    """The table of merged() launches."""
+    overhead = result["summary_overhead_vs_idle_pct"]
+    idle = result["summary_tpot_ms"]["idle"]
     loads = sorted(idle, key=column_order)
     heads = [f"{k[5:]} at once" if k.startswith("burst") else f"{k} req/s" for k in loads]
     lines = [f"| {'/'.join(sorted(models))} | " + " | ".join(heads) + " |",
@@ -85,8 +89,9 @@ def main() -> int:
     if not files:
         print(__doc__)
         return 2
-    print(table(files))
-    print(verdict(merged(files)[0]["summary_overhead_vs_idle_pct"]))
+    result, models = merged(files)  # read and summarised once for both
+    print(render(result, models))
+    print(verdict(result["summary_overhead_vs_idle_pct"]))
     return 0
 
 
