@@ -32,16 +32,24 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
     assert {r["rate"] for r in data["runs"]} == {8.0, "burst3"}
     assert all(r["rate"] == "burst3" for r in data["runs"] if r["mode"] == "dump")
     assert all(len(r["tpot_ms_by_request"]) == r["requests"] for r in data["runs"])
+    # the engine core's clock: every request's figure, and of the same scale as the client's
+    for r in data["runs"]:
+        assert len(r["tpot_engine_ms_by_request"]) == r["requests"]
+        assert all(e is not None and 0 < e for e in r["tpot_engine_ms_by_request"]), r
+        assert 0.2 < r["tpot_engine_ms_median"] / r["tpot_ms_median"] < 5, r
     assert all(r["frontend_gc_ms"] >= 0 and r["frontend_gc_full"] >= 0 for r in data["runs"])
     if variant == "graphtap":
         overhead = data["summary_overhead_vs_idle_pct"]
         assert set(overhead) == {"steer", "hs", "qk", "mixed", "dump"}
         assert set(overhead["dump"]) == {"burst3"} and set(overhead["hs"]) == {"8", "burst3"}
         sys.path.insert(0, str(SCRIPT.parent))
-        from capture_report import table
+        from capture_report import merged, render, table
 
         md = table([tmp_path / "tpot-tiny-graphtap-quick.json"])
         assert "| idle TPOT |" in md and "| hs |" in md and "| dump | – |" in md, md
+        assert set(data["summary_overhead_vs_idle_pct_engine"]) == set(overhead)
+        md = render(*merged([tmp_path / "tpot-tiny-graphtap-quick.json"]), engine=True)
+        assert "| hs |" in md and "| dump | – |" in md, md
 
 
 def test_paired_overheads():
@@ -55,6 +63,12 @@ def test_paired_overheads():
             {"mode": "hs", "rate": 8.0, "rep": 1, "tpot_ms_by_request": [4.0, 8.0, 6.06]},
             {"mode": "hs", "rate": "burst3", "rep": 0, "tpot_ms_by_request": [1.0]}]
     assert paired_overheads(runs) == {"hs": {"8": {"reps": [2.0, 0.0], "pooled": 1.0}}}
+    # the engine clock's figures pair the same way, under their own key
+    engine = [{**{k: v for k, v in r.items() if k != "tpot_ms_by_request"},
+               "tpot_engine_ms_by_request": r["tpot_ms_by_request"]} for r in runs]
+    assert paired_overheads(engine, "tpot_engine_ms_by_request") == \
+        {"hs": {"8": {"reps": [2.0, 0.0], "pooled": 1.0}}}
+    assert paired_overheads(engine) == {}
 
 
 def test_report_merges_results(tmp_path):
@@ -81,3 +95,22 @@ def test_capture_report_verdict_says_when_the_noise_hides_a_target():
     noisy = verdict({**met, "idle2": {"8": cell(-4.0), "16": cell(1.0)}})
     assert "hs: worst +2.4 % at burst64 vs ≤ 2.5 %: met (A/A noise 4.0 % > target" in noisy
     assert "worst |pooled| 4.0 %" in noisy
+
+
+def test_profile_traces_keep_each_mode(tmp_path):
+    """One trace per profiled mode: a model name with a dot ("qwen2-1.5b") once made
+    every mode's trace overwrite the same file."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from profile_capture import write_trace
+
+    class Prof:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def export_chrome_trace(self, path):
+            Path(path).write_text(json.dumps({"mode": self.mode}))
+
+    names = [write_trace(Prof(m), tmp_path / f"trace-qwen2-1.5b-{m}-{i}")
+             for i, m in enumerate(["idle", "qk"])]
+    assert names == ["trace-qwen2-1.5b-idle-0.json.gz", "trace-qwen2-1.5b-qk-1.json.gz"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names

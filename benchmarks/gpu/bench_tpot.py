@@ -156,7 +156,19 @@ async def one_request(engine, rid: str, ids: list[int], params, start_at: float,
         now = time.perf_counter()
         times.extend([now] * (n - len(times)))
         last = out
-    return times, count_rows(getattr(last, "hooks", None))
+    return times, count_rows(getattr(last, "hooks", None)), engine_tpot_ms(last)
+
+
+def engine_tpot_ms(out) -> float | None:
+    """TPOT on the engine core's clock: its outputs' timestamps of the first and the last
+    token (RequestOutput.metrics, with stats logging on), so the frontend's own delays (this
+    process's event loop, output handling) are left out: the control for the frontend
+    figure when the two disagree."""
+    m = getattr(out, "metrics", None) if out is not None else None
+    n = len(out.outputs[0].token_ids) if out is not None else 0
+    if m is None or n < 2 or not getattr(m, "first_token_ts", 0):
+        return None
+    return (m.last_token_ts - m.first_token_ts) / (n - 1) * 1000
 
 
 async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int = 0) -> dict:
@@ -181,9 +193,10 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
     with pauses:
         results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
-    all_times = [t for t, _ in results]
-    rows, nbytes, failed = (sum(c[i] for _, c in results) for i in range(3))
-    per_request = [c[0] for _, c in results]
+    all_times = [t for t, _, _ in results]
+    rows, nbytes, failed = (sum(c[i] for _, c, _ in results) for i in range(3))
+    per_request = [c[0] for _, c, _ in results]
+    by_request_engine = [e for _, _, e in results]
     by_request = [(t[-1] - t[0]) / (len(t) - 1) * 1000 if len(t) > 1 else None
                   for t in all_times]  # request i: same arrival and prompt in every mode
     tpots = [t for t in by_request if t is not None]
@@ -196,6 +209,9 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
             # a capturing request with no rows and no error would be a silent loss
             "rows_per_request_min": min(per_request), "rows_per_request_max": max(per_request),
             "tpot_ms_by_request": by_request,
+            "tpot_engine_ms_by_request": by_request_engine,
+            "tpot_engine_ms_median": statistics.median(e) if (e := [
+                t for t in by_request_engine if t is not None]) else None,
             # the frontend's (this process's) garbage-collector pauses during the run
             "frontend_gc_ms": round(pauses.ms, 2), "frontend_gc_full": pauses.full}
 

@@ -8,10 +8,14 @@ every file, then the range of the repetitions' medians and their count. The idle
 idle's median TPOT (median of repetitions). Below the table: each target's worst cell,
 and the A/A control's (mode idle2) worst cell, the measurement's own noise.
 
+With --engine the cells use TPOT on the engine core's clock (tpot_engine_ms_by_request,
+recorded by bench_tpot.py since session 6's launches), leaving the client's delays out.
+
     python3 benchmarks/gpu/capture_report.py benchmarks/results/capture-llama3-8b-s4-*.json
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -64,9 +68,18 @@ def table(files: list[Path]) -> str:
     return render(*merged(files))
 
 
-def render(result: dict, models: set[str]) -> str:
+def overheads(result: dict, engine: bool = False) -> dict:
+    """The paired overheads of merged() launches, on the client's or the engine's clock."""
+    key = "summary_overhead_vs_idle_pct" + ("_engine" if engine else "")
+    if key not in result:
+        raise SystemExit("these launches carry no engine-clock TPOT "
+                         "(tpot_engine_ms_by_request): run without --engine")
+    return result[key]
+
+
+def render(result: dict, models: set[str], engine: bool = False) -> str:
     """The table of merged() launches."""
-    overhead = result["summary_overhead_vs_idle_pct"]
+    overhead = overheads(result, engine)
     idle = result["summary_tpot_ms"]["idle"]
     loads = sorted(idle, key=column_order)
     heads = [f"{k[5:]} at once" if k.startswith("burst") else f"{k} req/s" for k in loads]
@@ -85,13 +98,15 @@ def render(result: dict, models: set[str]) -> str:
 
 
 def main() -> int:
-    files = [Path(a) for a in sys.argv[1:]]
-    if not files:
-        print(__doc__)
-        return 2
-    result, models = merged(files)  # read and summarised once for both
-    print(render(result, models))
-    print(verdict(result["summary_overhead_vs_idle_pct"]))
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--engine", action="store_true",
+                    help="TPOT from the engine core's output timestamps")
+    args = ap.parse_args()
+    result, models = merged(args.files)  # read and summarised once for both
+    print(render(result, models, args.engine))
+    print(verdict(overheads(result, args.engine)))
     return 0
 
 

@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
@@ -83,7 +82,7 @@ def write_trace(prof, stem: Path) -> str:
     import gzip
     import shutil
 
-    raw = stem.with_suffix(".json")
+    raw = stem.parent / f"{stem.name}.json"  # not with_suffix: "qwen2-1.5b" has a dot
     prof.export_chrome_trace(str(raw))
     with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
@@ -104,6 +103,8 @@ def main() -> int:
                     help="also write each mode's profiled run as a gzipped Chrome trace "
                          "(timelines: with --requests 1, where a capturing prefill's time goes)")
     args = ap.parse_args()
+    # the worker in this process (set here, not at import: tests import write_trace)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.cpu:
         args.model = "tiny"
     path, cfg = model_dir(args.model)
