@@ -1,5 +1,6 @@
 """The GPU TPOT benchmark's CPU `--quick` mode, so the script never rots (no speed claims)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,41 @@ def test_profile_traces_keep_each_mode(tmp_path):
              for i, m in enumerate(["idle", "qk"])]
     assert names == ["trace-qwen2-1.5b-idle-0.json.gz", "trace-qwen2-1.5b-qk-1.json.gz"]
     assert sorted(p.name for p in tmp_path.iterdir()) == names
+
+
+def test_profile_capture_cpu(tmp_path):
+    """profile_capture.py's CPU run (tiny model): rows come back, graphtap's ranges are
+    seen every step, the added work is computed against idle, one trace per mode."""
+    script = SCRIPT.parent / "profile_capture.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --cpu sets it
+    res = subprocess.run([sys.executable, str(script), "--cpu", "--requests", "2", "--modes",
+                          "idle,hs,qk,idle", "--trace"], capture_output=True, text=True,
+                         timeout=600, env={**env, "OUT": str(tmp_path)})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    modes = json.loads((tmp_path / "profile-capture.json").read_text())["modes"]
+    assert [m["mode"] for m in modes] == ["idle", "hs", "qk", "idle"]
+    # 2 requests x 16 prompt tokens: hs 3 rows each; qk 4 q rows + 4 x 16 k rows each
+    assert [m["rows"] for m in modes] == [0, 6, 136, 0] and not any(m["errors"] for m in modes)
+    for m in modes:
+        assert m["steps"] == 8 and m["step_ms"] > 0
+        assert set(m["graphtap_host_ms_per_step"]) >= {"graphtap.prepare_step",
+                                                       "graphtap.collect"}
+        assert "graphtap_added_pct_of_idle_step" in m
+    assert sorted(p.name for p in tmp_path.glob("trace-*.json.gz")) == [
+        "trace-tiny-hs-1.json.gz", "trace-tiny-idle-0.json.gz", "trace-tiny-idle-3.json.gz",
+        "trace-tiny-qk-2.json.gz"]
+
+
+def test_added_work_is_over_the_idle_runs():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from profile_capture import added_work
+
+    mode = lambda name, host, dev, step: {  # noqa: E731
+        "mode": name, "graphtap_host_ms_per_step": {"graphtap.prepare_step": host},
+        "graphtap_device_ms_per_step": dev, "step_ms": step}
+    modes = [mode("idle", 0.05, 0.0, 4.0), mode("qk", 0.2, 0.01, 4.4),
+             mode("idle", 0.07, 0.0, 4.0)]
+    added_work(modes)
+    assert modes[1]["graphtap_added_ms_per_step"] == 0.15
+    assert modes[1]["graphtap_added_pct_of_idle_step"] == 3.75
+    assert modes[0]["graphtap_added_ms_per_step"] == -0.01

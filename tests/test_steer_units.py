@@ -262,3 +262,22 @@ def test_save_to_needs_a_save_root():
         normalise(spec, SHAPE)
     with pytest.raises(ValueError, match=r"^hooks.save_to: nothing is captured"):
         normalise(parse_spec({"save_to": "x"}), SHAPE)
+
+
+def test_hook_manager_refuses_the_v1_model_runner():
+    """The slots are in Model Runner V2 only: under vLLM's fallback to the V1 runner a
+    configured manager would be ignored (captures silently empty), so it refuses to
+    start (patch 0010). Checked end to end once: a CPU run without TRITON_INTERPRET."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.hooks import hook_manager_cls
+
+    from graphtap.manager import GraphtapHookManager
+
+    cfg = lambda v2: SimpleNamespace(  # noqa: E731
+        additional_config={"hook_manager": "graphtap"}, use_v2_model_runner=v2)
+    with pytest.raises(ValueError, match=r"hook_manager='graphtap' needs Model Runner V2"):
+        hook_manager_cls(cfg(False))
+    assert hook_manager_cls(cfg(True)) is GraphtapHookManager
+    # without a manager nothing is asked of the runner
+    assert hook_manager_cls(SimpleNamespace(additional_config={})) is None

@@ -81,7 +81,6 @@ def engine_args(args, path: str, cfg: dict):
               max_model_len=args.input_len + args.output_len + 16, max_num_seqs=64,
               enable_prefix_caching=False)
     if args.quick:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         kw.update(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True,
                   load_format="auto", skip_tokenizer_init=False)
     else:
@@ -372,6 +371,9 @@ def main() -> int:
         args.model, args.rates, args.reps = "tiny", [8.0], 1
         args.bursts = args.bursts or [3]
         args.requests, args.input_len, args.output_len = args.requests or 4, 16, 8
+        # before vLLM is imported: it decides once whether Triton (so Model Runner V2,
+        # so the hook slots) is there
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     asyncio.run(bench(args))
     return 0
 

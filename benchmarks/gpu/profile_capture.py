@@ -5,7 +5,8 @@ side and the hook manager; configured like bench_tpot.py's graphtap launch, so t
 compile cache is shared), one burst of requests per bench mode (idle, hs, qk, mixed,
 dump: the same specs as bench_tpot.py). Per mode: wall time, rows and bytes returned and
 rows/s (unprofiled run), then a profiled run: graphtap's named host ranges per step
-(prepare_step, to_cpu, per_request), the host calls that stall a step (stream/device
+(prepare_step, collect, to_cpu, per_request), its kernels' device time per step, the
+work it adds per step over idle (added_work), the host calls that stall a step (stream/device
 synchronisations, pinned allocations, blocking copies) and the top host ops. Writes
 $OUT/profile-capture.json; `--cpu` runs the same logic on the tiny model.
 
@@ -42,7 +43,6 @@ def engine(path: str, cfg: dict, cpu: bool):
               hook_config=hook_config(cfg, ["mixed", "dump"]), enable_prefix_caching=False,
               disable_log_stats=False)
     if cpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         kw.update(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
     else:
         # 2048-token steps as AsyncLLM schedules them in bench_tpot.py (LLM's own default
@@ -77,6 +77,44 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
             "ttft_ms_median": float(np.median(ttft)) if ttft else None}
 
 
+# graphtap's Triton kernels (ops/*_triton.py); CUPTI reports them by function name, also
+# when replayed from a CUDA graph
+GRAPHTAP_KERNELS = ("_capture_kernel", "_steer_kernel", "_pattern_kernel", "_tokens_kernel",
+                    "_flags_kernel", "_rows_kernel")
+
+
+def device_ms(prof) -> tuple[float, float]:
+    """(every device activity, graphtap's kernels) of a profiled run, in ms."""
+    from torch.autograd import DeviceType
+
+    total = ours = 0.0
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU:
+            continue
+        t = e.time_range.elapsed_us() / 1000
+        total += t
+        ours += t if e.name.startswith(GRAPHTAP_KERNELS) else 0.0
+    return total, ours
+
+
+def added_work(modes: list[dict]) -> None:
+    """Per mode: graphtap's own work per step (its named host ranges plus its kernels'
+    device time) over the idle runs' mean, in ms and in % of idle's step. Both halves are
+    measured inside one run each, so unlike end-to-end TPOT they barely move with the
+    host's speed from run to run; it is what graphtap adds where a step is host-bound
+    (host part) or device-bound (device part), not a measured TPOT."""
+    own = [sum(m["graphtap_host_ms_per_step"].values()) + m["graphtap_device_ms_per_step"]
+           for m in modes]
+    idle = [i for i, m in enumerate(modes) if m["mode"] == "idle"]
+    if not idle:
+        return
+    base = sum(own[i] for i in idle) / len(idle)
+    step = sum(modes[i]["step_ms"] for i in idle) / len(idle)
+    for m, o in zip(modes, own):
+        m["graphtap_added_ms_per_step"] = round(o - base, 4)
+        m["graphtap_added_pct_of_idle_step"] = round((o - base) / step * 100, 2)
+
+
 def write_trace(prof, stem: Path) -> str:
     """The profiled run as a gzipped Chrome trace (chrome://tracing, Perfetto)."""
     import gzip
@@ -107,6 +145,9 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.cpu:
         args.model = "tiny"
+        # before vLLM is imported: it decides once whether Triton (so Model Runner V2,
+        # so the hook slots) is there
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     path, cfg = model_dir(args.model)
     llm = engine(path, cfg, args.cpu)
     in_len, out_len = (16, 8) if args.cpu else (256, 128)
@@ -132,12 +173,23 @@ def main() -> int:
                 per_step[e.key] = per_step.get(e.key, 0.0) + e.cpu_time_total / 1000
         r["graphtap_host_ms_per_step"] = {k: round(v / max(steps, 1), 4)
                                           for k, v in per_step.items()}
+        # the unprofiled run's step (the profiler slows the host, and graphtap's ranges
+        # are measured under it: the added share errs high, not low)
+        r["step_ms"] = round(r["wall_s"] * 1000 / max(steps, 1), 4)
+        dev_total, dev_ours = device_ms(prof)
+        r["device_ms_per_step"] = round(dev_total / max(steps, 1), 4)
+        r["graphtap_device_ms_per_step"] = round(dev_ours / max(steps, 1), 4)
         r["stalls"] = {e.key: {"count": e.count, "cpu_ms": e.cpu_time_total / 1000}
                        for e in events if any(s in e.key for s in STALLS)}
         r["top_host_ops"] = [(e.key, e.count, round(e.self_cpu_time_total / 1000, 2))
                              for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]
         result["modes"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "top_host_ops"}), flush=True)
+    added_work(result["modes"])
+    for r in result["modes"]:
+        print(f"{r['mode']:6s} step {r['step_ms']:.3f} ms, graphtap adds "
+              f"{r.get('graphtap_added_ms_per_step', 0):+.4f} ms "
+              f"({r.get('graphtap_added_pct_of_idle_step', 0):+.2f} % of idle's step)")
     (out / "profile-capture.json").write_text(json.dumps(result, indent=1))
     del llm
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

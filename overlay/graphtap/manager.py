@@ -178,11 +178,12 @@ class GraphtapHookManager(HookManager):
             self.pattern.prepare_step(None, self.tables.tok_slot, self.tables.tok_row, True)
 
     def collect(self, input_batch, dummy_run):
-        parts = [self.capture.collect(input_batch, dummy_run)]
-        if self.pattern is not None:
-            parts.append(self.pattern.collect(dummy_run))
-        parts = [p for p in parts if p is not None]
-        return StepSnapshots(parts) if parts else None
+        with torch.profiler.record_function("graphtap.collect"):  # profile_capture.py
+            parts = [self.capture.collect(input_batch, dummy_run)]
+            if self.pattern is not None:
+                parts.append(self.pattern.collect(dummy_run))
+            parts = [p for p in parts if p is not None]
+            return StepSnapshots(parts) if parts else None
 
 
 def _backend(layer) -> str:
