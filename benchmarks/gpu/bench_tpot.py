@@ -274,7 +274,9 @@ async def bench(args) -> dict:
                     r["mode"] = mode
                     result["runs"].append(r)
                     print(json.dumps(r), flush=True)
-                    out.write_text(json.dumps(result, indent=1))  # partial results survive a kill
+                # partial results survive a kill; once per load, not per run: the file
+                # grows to megabytes over hundreds of short runs
+                out.write_text(json.dumps(result, indent=1))
     finally:
         engine.shutdown()
     summarise(result)
