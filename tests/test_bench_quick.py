@@ -153,3 +153,36 @@ def test_added_work_is_over_the_idle_runs():
     assert modes[1]["graphtap_added_ms_per_step"] == 0.15
     assert modes[1]["graphtap_added_pct_of_idle_step"] == 3.75
     assert modes[0]["graphtap_added_ms_per_step"] == -0.01
+
+
+def test_bench_twin_quick(tmp_path):
+    """bench_twin.py on CPU: two engines, each mode beside an idle run with the same
+    arrivals, rows complete, paired per `pair` on both clocks (no speed claims)."""
+    res = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_twin.py"), "--quick",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "twin-tiny-quick.json").read_text())
+    runs = data["runs"]
+    assert len(runs) == 2 * 3 * 2  # (mode, idle) x modes idle2, hs, qk x loads 8 req/s, 3 at once
+    for mode_run, idle_run in zip(runs[::2], runs[1::2]):
+        assert idle_run["mode"] == "idle" and idle_run["pair"] == mode_run["mode"]
+        assert {mode_run["engine"], idle_run["engine"]} == {0, 1}
+        assert (mode_run["rate"], mode_run["rep"]) == (idle_run["rate"], idle_run["rep"])
+        rows = {"idle2": 0, "hs": 3, "qk": 68}[mode_run["mode"]]
+        assert mode_run["rows_per_request_min"] == mode_run["rows_per_request_max"] == rows
+        assert idle_run["rows"] == 0 and mode_run["capture_failed"] == 0
+    for key in ("summary_overhead_vs_idle_pct", "summary_overhead_vs_idle_pct_engine"):
+        assert set(data[key]) == {"idle2", "hs", "qk"}
+        assert all(set(c) == {"8", "burst3"} for c in data[key].values())
+
+
+def test_twin_runs_pair_with_the_idle_run_beside_them():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from tpot_stats import paired_overheads
+
+    run = lambda mode, pair, t: {"mode": mode, "pair": pair, "rate": 4.0, "rep": 0,  # noqa: E731
+                                 "tpot_ms_by_request": t}
+    runs = [run("hs", "hs", [2.0, 4.0]), run("idle", "hs", [2.0, 4.0]),
+            run("qk", "qk", [3.3, 6.6]), run("idle", "qk", [3.0, 6.0])]
+    assert paired_overheads(runs) == {"hs": {"4": {"reps": [0.0], "pooled": 0.0}},
+                                      "qk": {"4": {"reps": [10.0], "pooled": 10.0}}}

@@ -74,7 +74,7 @@ def model_dir(name: str) -> tuple[str, dict]:
     return str(d), ARCHS[name]
 
 
-def engine_args(args, path: str, cfg: dict):
+def engine_args(args, path: str, cfg: dict, memory: float | None = None):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kw = dict(model=path, load_format="dummy", skip_tokenizer_init=True, seed=0,
@@ -86,6 +86,8 @@ def engine_args(args, path: str, cfg: dict):
     else:
         kw.update(dtype="bfloat16", gpu_memory_utilization=0.85,
                   compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+    if memory is not None:  # engines sharing the device (bench_twin.py)
+        kw.update(gpu_memory_utilization=memory)
     if args.variant == "graphtap":
         kw.update(hook_manager="graphtap", hook_config=hook_config(
             cfg, args.modes.split(",") + args.burst_modes.split(",")))
@@ -346,8 +348,8 @@ def report(results_dir: Path) -> str:
     return md
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str = __doc__) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="llama3-8b")
     ap.add_argument("--variant", choices=["stock", "graphtap"], default="graphtap")
     ap.add_argument("--modes", default="idle,steer",
@@ -363,10 +365,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     ap.add_argument("--quick", action="store_true", help="CPU smoke run on a tiny model")
     ap.add_argument("--report", action="store_true", help="only merge results into tpot.md")
-    args = ap.parse_args()
-    if args.report:
-        print(report(Path(args.out)))
-        return 0
+    return ap
+
+
+def prepare(args) -> None:
+    """Loads parsed; --quick's tiny CPU configuration."""
     args.rates = [float(r) for r in args.rates.split(",") if r]
     args.bursts = [int(b) for b in args.bursts.split(",") if b]
     if args.quick:
@@ -376,6 +379,14 @@ def main() -> int:
         # before vLLM is imported: it decides once whether Triton (so Model Runner V2,
         # so the hook slots) is there
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def main() -> int:
+    args = parser().parse_args()
+    if args.report:
+        print(report(Path(args.out)))
+        return 0
+    prepare(args)
     asyncio.run(bench(args))
     return 0
 

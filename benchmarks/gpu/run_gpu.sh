@@ -5,6 +5,8 @@
 #   <model> stock    TPOT, stock vLLM wheel
 #   <model> graphtap TPOT, patched wheel + graphtap (idle and steering alternate;
 #                    BENCH_ARGS="--modes idle,hs,qk,mixed,dump ..." for the capture loads)
+#   twin <model>     capture overhead on two engines side by side, mode vs idle at the same
+#                    moment (bench_twin.py; TWIN_ARGS="--rates 4,16 --bursts 16,64 ...")
 #   profile <model>  capture rows/s and host time per mode (profile_capture.py;
 #                    PROFILE_ARGS="--modes idle,dump,idle" to narrow it)
 #   report           merge results into benchmarks/results/tpot.md
@@ -18,6 +20,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     check)  PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 benchmarks/gpu/check_graphs.py; shift ;;
     report) python3 benchmarks/gpu/bench_tpot.py --report --out "$OUT"; shift ;;
+    twin)   PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
+               benchmarks/gpu/bench_twin.py --model "$2" --out "$OUT" ${TWIN_ARGS:-}; shift 2 ;;
     profile) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
                benchmarks/gpu/profile_capture.py --model "$2" ${PROFILE_ARGS:-}; shift 2 ;;
     *)      model=$1 variant=$2; shift 2

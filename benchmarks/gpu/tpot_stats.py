@@ -31,10 +31,12 @@ def paired_overheads(runs: list[dict], key: str = FRONTEND) -> dict:
     the same arrival and prompt in both), per repetition (median of its ratios) and pooled
     (median of every repetition's ratios), in %. Far less noisy than comparing two runs'
     medians, whose requests met different batch mixes in different repetitions."""
-    idle = {(load_key(r), r["rep"]): r.get(key) for r in runs if r["mode"] == "idle"}
+    # bench_twin.py: each run has its own idle run beside it, named by `pair`
+    idle = {(load_key(r), r["rep"], r.get("pair")): r.get(key) for r in runs
+            if r["mode"] == "idle"}
     out: dict[str, dict[str, dict]] = {}
     for r in runs:
-        base = idle.get((load_key(r), r["rep"]))
+        base = idle.get((load_key(r), r["rep"], r.get("pair")))
         if r["mode"] == "idle" or not base or not r.get(key):
             continue
         ratios = [m / b for m, b in zip(r[key], base) if m and b]

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Capture overhead measured on two engines at once: one runs a mode, the other idle, at
+the same moment, with the same arrivals and prompts.
+
+Why: on the lent H200's host, a small model's steps (Qwen2-1.5B: 2-4 ms) are host-bound
+and the host's speed moves by 10-30 % within seconds (the sixth session: graph launches
+alone 0.4-0.7 ms between runs of the same work). bench_tpot.py pairs a mode's run with
+an idle run seconds apart, and that drift did not average out over 22 repetitions (its
+A/A control moved 10 % pooled). Here the pair runs side by side: two engines of the same
+configuration (each `--memory` of the device; separate engine-core processes, one client
+process), so what slows the host slows both. Which engine runs the mode alternates per
+repetition (their differences cancel), and mode `idle2` is the A/A control: both engines
+idle. Each run is paired with the idle run beside it (`pair`), per request, as
+bench_tpot.py pairs (tpot_stats.paired_overheads), on the client's and on the engine
+core's clock. Both engines share one device, so absolute TPOT is not a solo figure; the
+overhead is a ratio under the same conditions.
+
+  GPU: bench_twin.py --model qwen2-1.5b --modes idle2,hs,qk --rates 4,16 --bursts 16,64
+  CPU: bench_twin.py --quick   (tiny model, CI smoke; no speed claims)
+  Table: capture_report.py [--engine] $OUT/twin-qwen2-1.5b.json
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tpot import (engine_args, gpu_name, mode_hooks, model_dir, parser,  # noqa: E402
+                        prepare, run_rate, vllm_version)
+from tpot_stats import summarise  # noqa: E402
+
+
+async def bench(args) -> dict:
+    from vllm.utils.gc_utils import freeze_gc_heap
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    path, cfg = model_dir(args.model)
+    memory = 0.15 if args.quick else args.memory  # CPU: two KV caches in 24 GiB
+    t_start = time.perf_counter()
+    engines = [AsyncLLM.from_engine_args(engine_args(args, path, cfg, memory))
+               for _ in range(2)]
+    result = {"model": args.model, "variant": "graphtap-twin", "input_len": args.input_len,
+              "output_len": args.output_len, "startup_s": time.perf_counter() - t_start,
+              "runs": [], "gpu": gpu_name(), "vllm": vllm_version(), "memory": memory}
+    vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
+    vec = (vec / np.linalg.norm(vec) * 4.0).tolist()
+    modes = [m for m in args.modes.split(",") if m and m != "idle"]
+    out = Path(args.out) / f"twin-{args.model}{'-quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        warm = max(args.rates or [8.0])
+        await asyncio.gather(*(run_rate(e, args, cfg, warm, -1, None) for e in engines))
+        freeze_gc_heap()  # as bench_tpot.py (and `vllm serve`) after the warm-up
+        for rep in range(args.reps):
+            loads = [(rate, 0) for rate in args.rates] + [(1.0, b) for b in args.bursts]
+            for rate, burst in loads:
+                for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+                    a, b = engines if rep % 2 == 0 else engines[::-1]  # who runs the mode
+                    ra, rb = await asyncio.gather(
+                        run_rate(a, args, cfg, rate, rep, mode_hooks(mode, cfg, vec), burst),
+                        run_rate(b, args, cfg, rate, rep, None, burst))
+                    ra.update(mode=mode, pair=mode, engine=rep % 2)
+                    rb.update(mode="idle", pair=mode, engine=1 - rep % 2)
+                    result["runs"] += [ra, rb]
+                    print(json.dumps(ra), flush=True)
+                    print(json.dumps(rb), flush=True)
+                out.write_text(json.dumps(result, indent=1))  # partial results survive a kill
+    finally:
+        for e in engines:
+            e.shutdown()
+    summarise(result)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return result
+
+
+def main() -> int:
+    ap = parser(__doc__)
+    ap.set_defaults(modes="idle2,hs,qk", model="qwen2-1.5b")
+    ap.add_argument("--memory", type=float, default=0.4,
+                    help="gpu_memory_utilization of each engine (two share the device)")
+    args = ap.parse_args()
+    args.variant = "graphtap"
+    prepare(args)
+    asyncio.run(bench(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
