@@ -276,14 +276,20 @@ async def bench(args) -> dict:
                     r["mode"] = mode
                     result["runs"].append(r)
                     print(json.dumps(r), flush=True)
-                # partial results survive a kill; once per load, not per run: the file
-                # grows to megabytes over hundreds of short runs
-                out.write_text(json.dumps(result, indent=1))
+                write_result(result, out)
     finally:
         engine.shutdown()
-    summarise(result)
+    return write_result(result, out, final=True)
+
+
+def write_result(result: dict, out: Path, final: bool = False) -> dict:
+    """Partial results (they survive a kill: written once per load, not per run, as the
+    file grows to megabytes over hundreds of short runs), or the final summarised ones."""
+    if final:
+        summarise(result)
     out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    if final:
+        print(f"wrote {out}")
     return result
 
 

@@ -31,8 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tpot import (engine_args, gpu_name, mode_hooks, model_dir, parser,  # noqa: E402
-                        prepare, run_rate, vllm_version)
-from tpot_stats import summarise  # noqa: E402
+                        prepare, run_rate, vllm_version, write_result)
 
 
 async def bench(args) -> dict:
@@ -69,14 +68,11 @@ async def bench(args) -> dict:
                     result["runs"] += [ra, rb]
                     print(json.dumps(ra), flush=True)
                     print(json.dumps(rb), flush=True)
-                out.write_text(json.dumps(result, indent=1))  # partial results survive a kill
+                write_result(result, out)
     finally:
         for e in engines:
             e.shutdown()
-    summarise(result)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
-    return result
+    return write_result(result, out, final=True)
 
 
 def main() -> int:
