@@ -168,7 +168,41 @@ def test_steps_that_capture_nothing_route_nothing():
         [(0, "probe", 3), (1, "all", 3 + 2)]
     no_view = SimpleNamespace(req_ids=["probe"], num_scheduled_tokens=np.array([5]))
     assert rows_in_step(wants, no_view) == [(0, "probe", 3)]
+    # The one-pass prefilter (slot -> end of wanted positions) gives the same answers.
+    ends = np.array([0, probe.end, 0, full.end, 0])  # slots 1 and 3; 0, 2, 4 hold nothing
+    for computed, scheduled, drafts in (([0] * 3, [6] * 3, None), ([6] * 3, [4] * 3, None),
+                                        ([12] * 3, [1] * 3, None), ([10] * 3, [1] * 3, None),
+                                        ([11] * 3, [3] * 3, np.array([2, 2, 0]))):
+        batch = step(computed, scheduled, drafts)
+        batch.idx_mapping_np = np.array([1, 3, 4])
+        assert rows_in_step(wants, batch, ends) == rows_in_step(wants, batch), computed
     # Pattern snapshots copy key columns up to the batch's last position (drafts included).
     batch = step([11, 11, 11], [3, 3, 3], np.array([2, 2, 0]))
     batch.num_reqs = 3
     assert positions_end(batch, L) == 14 and positions_end(no_view, L) == L
+
+
+def test_rows_in_step_prefilter_matches_the_loop():
+    """Random batches: the prefiltered pass returns exactly what the per-row loop does."""
+    from graphtap.scheduler import Wants, rows_in_step
+
+    rng = np.random.default_rng(0)
+    rules = ["last_prompt", "prompt", "all", "generated", [3, 7], {"start": 2, "end": 9}]
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        slots = rng.permutation(16)[:n]
+        wants, ends = {}, np.zeros(17, np.int64)
+        for i, slot in enumerate(slots):
+            if rng.random() < 0.3:
+                continue  # a request without entries
+            w = Wants(L)
+            for _ in range(int(rng.integers(1, 3))):
+                w.add(rules[int(rng.integers(len(rules)))], int(rng.integers(1, 20)),
+                      int(rng.integers(1, 4)))
+            wants[f"r{i}"], ends[slot] = w, w.end
+        batch = SimpleNamespace(
+            req_ids=[f"r{i}" for i in range(n)], idx_mapping_np=slots,
+            num_computed_tokens_np=rng.integers(0, L, n),
+            num_scheduled_tokens=rng.integers(1, 8, n),
+            num_draft_tokens_per_req=rng.integers(0, 3, n) if rng.random() < 0.5 else None)
+        assert rows_in_step(wants, batch, ends) == rows_in_step(wants, batch)

@@ -232,6 +232,9 @@ class RequestEntries:
         self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
         self._slot_of: dict[str, int] = {}
         self._wanted: dict[str, Wants] = {}  # req_id -> positions its entries want
+        # slot -> past its last wanted position, 0 without entries (rows_in_step's
+        # one-pass prefilter); sized by the first request's table
+        self._ends: np.ndarray | None = None
         # (slot -> req_id, row bound, positions end) of the current step
         self._step: tuple | None = None
         self._idle = True
@@ -261,6 +264,9 @@ class RequestEntries:
             wanted.add(cap["positions"], prompt_len, rows_per_token)
         for dst, src in ((site_table, site), (pos_table, pos)):
             dst[slot].copy_(host_to_device(src, self.device), non_blocking=True)
+        if self._ends is None:
+            self._ends = np.zeros(site_table.shape[0], np.int64)
+        self._ends[slot] = wanted.end if entries else 0
         if entries:
             self._formats[slot] = formats
             self._slot_of[req_id] = slot
@@ -268,7 +274,9 @@ class RequestEntries:
 
     def remove_request(self, req_id: str) -> None:
         if req_id in self._slot_of:
-            self._formats.pop(self._slot_of.pop(req_id), None)
+            slot = self._slot_of.pop(req_id)
+            self._formats.pop(slot, None)
+            self._ends[slot] = 0
             del self._wanted[req_id]
 
     def holds(self, req_id: str) -> bool:
@@ -278,7 +286,7 @@ class RequestEntries:
     def step_requests(self, input_batch, dummy_run: bool) -> list[tuple[int, str, int]]:
         """(batch row, request id, row bound) of the requests that may capture in this
         step (scheduler.rows_in_step)."""
-        return [] if dummy_run else rows_in_step(self._wanted, input_batch)
+        return [] if dummy_run else rows_in_step(self._wanted, input_batch, self._ends)
 
     def _in_batch(self, input_batch) -> list[str]:
         """Every request of the batch with entries here, capturing this step or not."""
