@@ -1,0 +1,58 @@
+"""The hook frontend is per engine (patch 0011): two engines in one process, one hooked and
+one not, each admit, release and finish their own requests with their own frontend."""
+import torch
+
+from vllm import SamplingParams
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.worker.gpu.hooks import HookFrontend
+
+
+class Recorder(HookFrontend):
+    def __init__(self):
+        self.calls = []
+
+    def admit_request(self, request):
+        self.calls.append(("admit", request.request_id))
+
+    def release_request(self, request_id):
+        self.calls.append(("release", request_id))
+
+    def finish_outputs(self, request_id, chunks):
+        self.calls.append(("finish", request_id))
+        return {"rows": torch.cat([c["rows"] for c in chunks])}
+
+
+def request(rid: str) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=[1, 2, 3], mm_features=None,
+        sampling_params=SamplingParams(max_tokens=2, detokenize=False), pooling_params=None,
+        arrival_time=0.0, lora_request=None, cache_salt=None, data_parallel_rank=None,
+        external_req_id=rid)
+
+
+def run(proc: OutputProcessor, rid: str):
+    proc.add_request(request(rid), None)
+    chunk = lambda v: {"rows": torch.full((1, 2), v)}  # noqa: E731
+    proc.process_outputs([EngineCoreOutput(request_id=rid, new_token_ids=[7],
+                                           hook_outputs=chunk(1.0))])
+    done = proc.process_outputs([EngineCoreOutput(
+        request_id=rid, new_token_ids=[8], finish_reason=FinishReason.LENGTH,
+        hook_outputs=chunk(2.0))])
+    return done.request_outputs[0]
+
+
+def test_each_engine_finishes_its_requests_with_its_own_frontend():
+    hooked = Recorder()
+    a = OutputProcessor(None, log_stats=False, hooks=hooked)
+    b = OutputProcessor(None, log_stats=False)  # an engine without a hook manager
+    out_b = run(b, "plain")  # created after the hooked one: once took over its frontend
+    out_a = run(a, "hooked")
+    assert hooked.calls == [("admit", "hooked"), ("finish", "hooked"), ("release", "hooked")]
+    assert torch.equal(out_a.hooks["rows"], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    # the plain engine's no-op frontend merges chunks as they came (nothing asked for them)
+    assert torch.equal(out_b.hooks["rows"], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    # an abort goes to the request's own engine's frontend too
+    a.add_request(request("gone"), None)
+    a.abort_requests(["gone"], internal=True)
+    assert hooked.calls[-2:] == [("admit", "gone"), ("release", "gone")]
