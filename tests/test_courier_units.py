@@ -1,4 +1,5 @@
 """The courier's host side, without an engine: what the output path does to captures."""
+import pytest
 import torch
 
 from graphtap.frontend import GraphtapFrontend
@@ -54,14 +55,27 @@ def test_results_own_their_storage():
     torch.testing.assert_close(out[SITE], step[10:13])
 
 
-def test_step_split_per_request_matches_a_row_by_row_reference():
+# Site-major as the device writes them. Split: slot 2's site-1 rows are split by slot 0's
+# and out of position order (a sort is needed); slot 7 (a request gone since) sits between
+# live rows. Grouped: every (slot, site) group one run in position order, the usual step
+# (no sort: the device order is used as it is).
+SPLIT = [(s, 0, p) for s in (0, 7, 1, 2) for p in range(3)] + \
+    [(2, 1, 5), (0, 1, 0), (0, 1, 1), (2, 1, 4), (1, 1, 7)] + \
+    [(s, 2, p) for s in (1, 0) for p in (4, 5)]
+GROUPED = [(s, 0, p) for s in (2, 7, 0, 1) for p in range(3)] + \
+    [(2, 1, 4), (2, 1, 5), (0, 1, 0), (0, 1, 1), (1, 1, 7)] + \
+    [(s, 2, p) for s in (1, 0) for p in (4, 5)]
+
+
+@pytest.mark.parametrize("labels", [SPLIT, GROUPED], ids=["split", "grouped"])
+def test_step_split_per_request_matches_a_row_by_row_reference(labels):
     """CaptureSnapshot.per_request against a row-by-row reference: residual rows (full
     width), k rows of chosen heads (narrower site), v rows of every head, a float32
-    request beside model-dtype ones, one request's rows out of order in the buffer. No
+    request beside model-dtype ones, rows in the buffer as the device leaves them. No
     result may view the step's buffer (it would pin it)."""
     import numpy as np
 
-    from graphtap.capture_scheduler import CaptureSnapshot
+    from graphtap.capture_scheduler import CaptureSnapshot, _grouped_in_order
 
     width, hd = 16, 2  # buffer row width; attention sites: 4 heads x 2 = 8 columns
     names = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v"}
@@ -70,11 +84,7 @@ def test_step_split_per_request_matches_a_row_by_row_reference():
         formats[(slot, 0)] = (dtype, width, None, 0)
         formats[(slot, 1)] = (dtype, 8, ((3, 1), (1, 2, 3), (0,))[slot], hd)  # runs, gaps
         formats[(slot, 2)] = (dtype, 8, None, hd)
-    # Site-major as the device writes them; slot 2's site-1 rows are split by slot 0's;
-    # slot 7 (a request gone since) sits between live rows.
-    labels = [(s, 0, p) for s in (0, 7, 1, 2) for p in range(3)] + \
-        [(2, 1, 5), (0, 1, 0), (0, 1, 1), (2, 1, 4), (1, 1, 7)] + \
-        [(s, 2, p) for s in (1, 0) for p in (4, 5)]
+    assert _grouped_in_order(np.array(labels), (0, 1, 2)) == (labels is GROUPED)
     rows = torch.randn(len(labels) + 3, width).to(torch.bfloat16)  # + unused rows
     snap = CaptureSnapshot(rows, torch.tensor(labels + [(9, 9, 9)] * 3), torch.tensor([len(labels)]),
                            {0: "a", 1: "b", 2: "c", 9: "gone"}, formats, names, 100)
@@ -124,3 +134,33 @@ def test_every_split_result_serialises_like_vllm_sends_it():
         for t in out.values():
             assert len(tensor_data(t)) == t.numel() * t.element_size()
         assert out["s@positions"].tolist() == list(range(n))
+
+
+def test_grouped_in_order_against_brute_force():
+    """The no-sort check says yes exactly when every (slot, site) group is one run with
+    non-decreasing positions."""
+    import numpy as np
+
+    from graphtap.capture_scheduler import _grouped_in_order
+
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        n = int(rng.integers(0, 12))
+        labels = np.stack([rng.integers(0, 3, n), rng.integers(0, 2, n),
+                           rng.integers(0, 5, n)], axis=1) if n else np.zeros((0, 3), int)
+        if rng.random() < 0.5:  # often a device-like layout: sorted, groups permuted
+            labels = labels[np.lexsort((labels[:, 2], labels[:, 1], labels[:, 0]))]
+            keys = sorted({tuple(r[:2]) for r in labels.tolist()})
+            rng.shuffle(keys)
+            labels = np.array([r for k in keys for r in labels.tolist() if tuple(r[:2]) == k]
+                              ).reshape(-1, 3)
+        seen, ok, prev = set(), True, None
+        for r in labels.tolist():
+            key = tuple(r[:2])
+            if key != (prev[:2] if prev else None):
+                ok &= key not in seen
+                seen.add(key)
+            elif r[2] < prev[2]:
+                ok = False
+            prev = tuple(r)
+        assert _grouped_in_order(labels, (0, 1, 2)) == ok, labels
