@@ -103,7 +103,7 @@ class LabelledSnapshot:
         the rows' indices in order."""
         if not len(labels):
             return
-        keys = labels[:, slot_col] * 1_000_003 + labels[:, site_col]
+        keys = _group_keys(labels[:, slot_col], labels[:, site_col])
         starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
         ends = np.r_[starts[1:], len(labels)]
         # A group is a plain slice when its rows sit in order in the buffer: no break
@@ -189,6 +189,11 @@ class CaptureSnapshot(LabelledSnapshot):
         return data.to(dtype, copy=True).contiguous()
 
 
+def _group_keys(slot: np.ndarray, site: np.ndarray) -> np.ndarray:
+    """One int64 per (slot, site) pair (slots and sites stay far below the factor)."""
+    return slot.astype(np.int64) * 1_000_003 + site
+
+
 def _grouped_in_order(labels: np.ndarray, order: tuple[int, int, int]) -> bool:
     """Whether each (order[0], order[1]) group of the rows is one contiguous run with
     order[2] non-decreasing inside it: the usual capture step, whose rows the device
@@ -202,7 +207,7 @@ def _grouped_in_order(labels: np.ndarray, order: tuple[int, int, int]) -> bool:
     if not np.all(~same | (c[1:] >= c[:-1])):
         return False
     starts = np.flatnonzero(np.r_[True, ~same])
-    keys = a[starts].astype(np.int64) * 1_000_003 + b[starts]
+    keys = _group_keys(a[starts], b[starts])
     return len(np.unique(keys)) == len(keys)  # no group split over two runs
 
 

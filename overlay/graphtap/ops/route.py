@@ -14,6 +14,7 @@ keeps the torch versions on GPUs too: the A/B of the kernels' gain, and a way ar
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,13 +43,20 @@ def route_tokens(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor, n
 def route_tokens_reference(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor,
                            n: int, num_reqs: int) -> None:
     qsl = qsl[: num_reqs + 1]
-    rows = torch.arange(n, dtype=qsl.dtype, device=qsl.device)
+    rows = _token_rows(t.tok_slot.shape[0], qsl.dtype, qsl.device)[:n]
     batch_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)
     batch_row.clamp_(max=num_reqs - 1)
     slot = idx_mapping[batch_row].to(torch.int64)
     slot = torch.where(rows < qsl[num_reqs], slot, t.sentinel)
     t.tok_slot[:n].copy_(slot)
     t.tok_row[:n].copy_(batch_row)  # block-table row, for attention patterns
+
+
+@functools.lru_cache(maxsize=8)
+def _token_rows(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """0..size-1, made once per table size and device and sliced every step: no
+    allocation per step (as the scheduler's own arange was before this moved here)."""
+    return torch.arange(size, dtype=dtype, device=device)
 
 
 def route_captures(t: CaptureTables, slot: torch.Tensor, positions: torch.Tensor,
