@@ -186,3 +186,17 @@ def test_twin_runs_pair_with_the_idle_run_beside_them():
             run("qk", "qk", [3.3, 6.6]), run("idle", "qk", [3.0, 6.0])]
     assert paired_overheads(runs) == {"hs": {"4": {"reps": [0.0], "pooled": 0.0}},
                                       "qk": {"4": {"reps": [10.0], "pooled": 10.0}}}
+
+
+def test_profile_counts_every_graphtap_kernel():
+    """profile_capture.py finds graphtap's device time by kernel name: every kernel
+    defined in ops/*_triton.py must be in its list, or its time would go uncounted."""
+    import re
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from profile_capture import GRAPHTAP_KERNELS
+
+    ops = SCRIPT.parents[2] / "overlay" / "graphtap" / "ops"
+    defined = {name for f in ops.glob("*_triton.py")
+               for name in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)}
+    assert defined and defined == set(GRAPHTAP_KERNELS)

@@ -250,8 +250,7 @@ async def bench(args) -> dict:
     startup = time.perf_counter() - t_start
     modes = ["plain"] if args.variant == "stock" else args.modes.split(",")
     burst_modes = [] if args.variant == "stock" else [m for m in args.burst_modes.split(",") if m]
-    vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
-    vec = (vec / np.linalg.norm(vec) * 4.0).tolist()
+    vec = steer_vector(cfg)
     result = {"model": args.model, "variant": args.variant, "input_len": args.input_len,
               "output_len": args.output_len, "startup_s": startup, "runs": [],
               "host": platform.node(), "gpu": gpu_name(), "vllm": vllm_version()}
@@ -266,11 +265,9 @@ async def bench(args) -> dict:
 
         freeze_gc_heap()
         for rep in range(args.reps):
-            loads = [(rate, 0) for rate in args.rates] + [(1.0, b) for b in args.bursts]
-            for rate, burst in loads:
+            for rate, burst in loads(args):
                 # modes alternate (same engine, same moment), their order rotating per rep
-                this = modes + (burst_modes if burst else [])
-                for mode in this[rep % len(this):] + this[:rep % len(this)]:
+                for mode in rotated(modes + (burst_modes if burst else []), rep):
                     r = await run_rate(engine, args, cfg, rate, rep, mode_hooks(mode, cfg, vec),
                                        burst)
                     r["mode"] = mode
@@ -280,6 +277,24 @@ async def bench(args) -> dict:
     finally:
         engine.shutdown()
     return write_result(result, out, final=True)
+
+
+def steer_vector(cfg: dict) -> list[float]:
+    """The steer mode's vector: fixed seed, norm 4."""
+    vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
+    return (vec / np.linalg.norm(vec) * 4.0).tolist()
+
+
+def loads(args) -> list[tuple[float, int]]:
+    """(rate, burst) of one repetition: the Poisson rates, then the bursts (burst > 0)."""
+    return [(rate, 0) for rate in args.rates] + [(1.0, b) for b in args.bursts]
+
+
+def rotated(modes: list[str], rep: int) -> list[str]:
+    """The modes in repetition rep's order: rotated by one per repetition, so no mode
+    always follows another (dump's after-effects do not land on one mode)."""
+    k = rep % len(modes)
+    return modes[k:] + modes[:k]
 
 
 def write_result(result: dict, out: Path, final: bool = False) -> dict:

@@ -27,11 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tpot import (engine_args, gpu_name, mode_hooks, model_dir, parser,  # noqa: E402
-                        prepare, run_rate, vllm_version, write_result)
+from bench_tpot import (engine_args, gpu_name, loads, mode_hooks, model_dir,  # noqa: E402
+                        parser, prepare, rotated, run_rate, steer_vector, vllm_version,
+                        write_result)
 
 
 async def bench(args) -> dict:
@@ -46,8 +45,7 @@ async def bench(args) -> dict:
     result = {"model": args.model, "variant": "graphtap-twin", "input_len": args.input_len,
               "output_len": args.output_len, "startup_s": time.perf_counter() - t_start,
               "runs": [], "gpu": gpu_name(), "vllm": vllm_version(), "memory": memory}
-    vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
-    vec = (vec / np.linalg.norm(vec) * 4.0).tolist()
+    vec = steer_vector(cfg)
     modes = [m for m in args.modes.split(",") if m and m != "idle"]
     out = Path(args.out) / f"twin-{args.model}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -56,9 +54,8 @@ async def bench(args) -> dict:
         await asyncio.gather(*(run_rate(e, args, cfg, warm, -1, None) for e in engines))
         freeze_gc_heap()  # as bench_tpot.py (and `vllm serve`) after the warm-up
         for rep in range(args.reps):
-            loads = [(rate, 0) for rate in args.rates] + [(1.0, b) for b in args.bursts]
-            for rate, burst in loads:
-                for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+            for rate, burst in loads(args):
+                for mode in rotated(modes, rep):
                     a, b = engines if rep % 2 == 0 else engines[::-1]  # who runs the mode
                     ra, rb = await asyncio.gather(
                         run_rate(a, args, cfg, rate, rep, mode_hooks(mode, cfg, vec), burst),
