@@ -167,6 +167,7 @@ def test_bench_twin_quick(tmp_path):
     for mode_run, idle_run in zip(runs[::2], runs[1::2]):
         assert idle_run["mode"] == "idle" and idle_run["pair"] == mode_run["mode"]
         assert {mode_run["engine"], idle_run["engine"]} == {0, 1}
+        assert {mode_run["first"], idle_run["first"]} == {True, False}
         assert (mode_run["rate"], mode_run["rep"]) == (idle_run["rate"], idle_run["rep"])
         rows = {"idle2": 0, "hs": 3, "qk": 68}[mode_run["mode"]]
         assert mode_run["rows_per_request_min"] == mode_run["rows_per_request_max"] == rows

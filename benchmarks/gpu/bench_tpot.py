@@ -172,13 +172,17 @@ def engine_tpot_ms(out) -> float | None:
     return (m.last_token_ts - m.first_token_ts) / (n - 1) * 1000
 
 
-async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int = 0) -> dict:
+async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int = 0,
+                   t0: float | None = None) -> dict:
     """Poisson arrivals at `rate`, or with `burst` > 0 that many requests at once (a
-    fixed-concurrency decode measurement: far less noisy, so small overheads show)."""
+    fixed-concurrency decode measurement: far less noisy, so small overheads show).
+    Arrivals count from `t0` (perf_counter; default now): bench_twin.py gives two engines'
+    runs one t0 so their requests arrive at the same moments."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    n = burst or args.requests or REQUESTS_PER_RATE.get(int(rate), 24)
+    n = (burst or getattr(args, "requests_by_rate", {}).get(rate) or args.requests
+         or REQUESTS_PER_RATE.get(int(rate), 24))
     rng = np.random.default_rng([rep + 1, int(rate), burst])
     gaps = rng.exponential(1.0 / rate, size=n)
     starts = np.zeros(n) if burst else np.cumsum(gaps) - gaps[0]
@@ -187,7 +191,7 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0,
                             output_kind=RequestOutputKind.CUMULATIVE, **extra)
     pauses = GcPauses()
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     tasks = [one_request(engine, f"r{rate}-{rep}-{i}-{time.monotonic_ns()}",
                          rng.integers(10, vocab - 10, args.input_len).tolist(), params,
                          float(starts[i]), t0) for i in range(n)]
@@ -381,6 +385,8 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
     ap.add_argument("--bursts", default="", help="also: N requests at once, e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=0, help="per run (default: by rate)")
+    ap.add_argument("--requests-by-rate", default="",
+                    help="per run at some rates, e.g. 1:6,16:24 (a slow rate's runs are long)")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
@@ -393,6 +399,8 @@ def prepare(args) -> None:
     """Loads parsed; --quick's tiny CPU configuration."""
     args.rates = [float(r) for r in args.rates.split(",") if r]
     args.bursts = [int(b) for b in args.bursts.split(",") if b]
+    args.requests_by_rate = {float(r): int(n) for r, n in
+                             (kv.split(":") for kv in args.requests_by_rate.split(",") if kv)}
     if args.quick:
         args.model, args.rates, args.reps = "tiny", [8.0], 1
         args.bursts = args.bursts or [3]

@@ -10,10 +10,12 @@ A/A control moved 10 % pooled). Here the pair runs side by side: two engines of 
 configuration (each `--memory` of the device; separate engine-core processes, one client
 process), so what slows the host slows both. Which engine runs the mode alternates per
 repetition (their differences cancel), and mode `idle2` is the A/A control: both engines
-idle. Each run is paired with the idle run beside it (`pair`), per request, as
-bench_tpot.py pairs (tpot_stats.paired_overheads), on the client's and on the engine
-core's clock. Both engines share one device, so absolute TPOT is not a solo figure; the
-overhead is a ratio under the same conditions.
+idle. Both runs count arrivals from one t0, and which engine is submitted first flips
+every two repetitions, apart from which runs the mode. Each run is paired with the idle
+run beside it (`pair`), per request, as bench_tpot.py pairs
+(tpot_stats.paired_overheads), on the client's and on the engine core's clock. Both
+engines share one device, so absolute TPOT is not a solo figure; the overhead is a ratio
+under the same conditions.
 
   GPU: bench_twin.py --model qwen2-1.5b --modes idle2,hs,qk --rates 4,16 --bursts 16,64
   CPU: bench_twin.py --quick   (tiny model, CI smoke; no speed claims)
@@ -57,11 +59,19 @@ async def bench(args) -> dict:
             for rate, burst in loads(args):
                 for mode in rotated(modes, rep):
                     a, b = engines if rep % 2 == 0 else engines[::-1]  # who runs the mode
-                    ra, rb = await asyncio.gather(
-                        run_rate(a, args, cfg, rate, rep, mode_hooks(mode, cfg, vec), burst),
-                        run_rate(b, args, cfg, rate, rep, None, burst))
-                    ra.update(mode=mode, pair=mode, engine=rep % 2)
-                    rb.update(mode="idle", pair=mode, engine=1 - rep % 2)
+                    # one t0: both runs' requests arrive at the same moments; whose request
+                    # is submitted first at a moment flips every two repetitions, apart
+                    # from who runs the mode (session 7: the first-submitted engine's TPOT
+                    # was 3 % higher at 16 req/s, in the A/A control too)
+                    t0 = time.perf_counter() + 0.05  # past both runs' prompt generation
+                    first = (rep // 2) % 2 == 0
+                    runs = [run_rate(a, args, cfg, rate, rep, mode_hooks(mode, cfg, vec),
+                                     burst, t0),
+                            run_rate(b, args, cfg, rate, rep, None, burst, t0)]
+                    done = await asyncio.gather(*(runs if first else runs[::-1]))
+                    ra, rb = done if first else done[::-1]
+                    ra.update(mode=mode, pair=mode, engine=rep % 2, first=first)
+                    rb.update(mode="idle", pair=mode, engine=1 - rep % 2, first=not first)
                     result["runs"] += [ra, rb]
                     print(json.dumps(ra), flush=True)
                     print(json.dumps(rb), flush=True)
