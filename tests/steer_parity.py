@@ -125,6 +125,17 @@ def test_attention_capture_parity_with_hf(steer_engine):
         assert out.hooks.positions[site].tolist() == positions.tolist(), site
         assert out.hooks[site].shape == ref.shape, (site, out.hooks[site].shape, ref.shape)
         assert (out.hooks[site] - ref).abs().max().item() <= 1e-4, site
+    # Alone in its steps, a request reading k head 1 and v head 0 has only the first two
+    # heads' columns of each row cloned and copied home (CaptureScheduler._columns).
+    narrow = [{"site": f"blocks.{ATTN_LAYER}.attn.hook_{k}", "dtype": "float32",
+               "heads": [h]} for k, h in (("k", 1), ("v", 0))]
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                      hooks={"capture": narrow}), use_tqdm=False)[0]
+    for cap, k in zip(narrow, "kv"):
+        ref = want[k][:, cap["heads"]]
+        assert out.hooks[cap["site"]].shape == ref.shape, cap
+        assert (out.hooks[cap["site"]] - ref).abs().max().item() <= 1e-4, cap
 
 
 def test_attention_pattern_parity_with_hf(steer_engine):

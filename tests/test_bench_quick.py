@@ -123,8 +123,8 @@ def test_profile_capture_cpu(tmp_path):
     script = SCRIPT.parent / "profile_capture.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --cpu sets it
     res = subprocess.run([sys.executable, str(script), "--cpu", "--requests", "2", "--modes",
-                          "idle,hs,qk,idle", "--trace"], capture_output=True, text=True,
-                         timeout=600, env={**env, "OUT": str(tmp_path)})
+                          "idle,hs,qk,idle", "--trace", "--cprofile"], capture_output=True,
+                         text=True, timeout=600, env={**env, "OUT": str(tmp_path)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     modes = json.loads((tmp_path / "profile-capture.json").read_text())["modes"]
     assert [m["mode"] for m in modes] == ["idle", "hs", "qk", "idle"]
@@ -135,6 +135,8 @@ def test_profile_capture_cpu(tmp_path):
         assert set(m["graphtap_host_ms_per_step"]) >= {"graphtap.prepare_step",
                                                        "graphtap.collect"}
         assert "graphtap_added_pct_of_idle_step" in m
+        assert m["gc_ms"] >= 0 and len(m["python_top"]) == 30
+        assert all(calls > 0 and cum >= own >= 0 for _, calls, own, cum in m["python_top"])
     assert sorted(p.name for p in tmp_path.glob("trace-*.json.gz")) == [
         "trace-tiny-hs-1.json.gz", "trace-tiny-idle-0.json.gz", "trace-tiny-idle-3.json.gz",
         "trace-tiny-qk-2.json.gz"]

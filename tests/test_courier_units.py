@@ -109,6 +109,35 @@ def test_step_split_per_request_matches_a_row_by_row_reference(labels):
     assert np.array_equal(out["c"]["blocks.0.attn.hook_k@positions"].numpy(), [4, 5])
 
 
+def test_a_step_copies_home_only_the_columns_its_formats_read():
+    """Rows hold every head of a site in order and span the widest configured site; a
+    step whose requests read heads 0-1 of k (and head 0 of v) clones and copies home
+    only those columns, and splits them as it would the whole rows."""
+    from graphtap.capture_scheduler import CaptureSnapshot, columns
+
+    width, hd = 16, 2
+    fmts = {(0, 0): (torch.float32, 8, (1, 0), hd), (0, 1): (torch.float32, 8, (0,), hd),
+            (1, 0): (torch.float32, 8, (1,), hd)}
+    assert [columns(f) for f in fmts.values()] == [4, 2, 4]
+    assert columns((torch.float32, width, None, 0)) == width
+    labels = [(0, 0, 0), (0, 0, 1), (1, 0, 3), (0, 1, 0), (0, 1, 1)]
+    rows = torch.randn(len(labels), width)
+    names = {0: "blocks.0.attn.hook_k", 1: "blocks.0.attn.hook_v"}
+
+    def split(r):
+        return CaptureSnapshot(r, torch.tensor(labels), torch.tensor([len(labels)]),
+                               {0: "a", 1: "b"}, fmts, names, 100).per_request()
+
+    whole = split(rows)
+    assert torch.equal(whole["a"][names[0]], rows[:2, :4].reshape(2, 2, hd)[:, [1, 0]])
+    # 4: the columns these formats read; 5: another site's width, ending mid-head
+    for narrow in (split(rows[:, :4].clone()), split(rows[:, :5].clone())):
+        for req in whole:
+            assert whole[req].keys() == narrow[req].keys()
+            for name in whole[req]:
+                assert torch.equal(whole[req][name], narrow[req][name]), (req, name)
+
+
 def test_head_runs_copy_adjacent_heads_as_slices_in_the_order_asked():
     from graphtap.capture_scheduler import _head_runs
 

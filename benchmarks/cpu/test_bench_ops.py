@@ -112,8 +112,9 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
     """One step's pinned rows as the device writes them (site-major, requests adjacent;
     bf16 buffer, Llama-3-8B width 4096). dump: residuals at 3 sites, every token; qk:
     q at the last token and k at every token, 4 layers, 4 of 8 kv heads (k rows use 512
-    of the 4096 columns)."""
-    from graphtap.capture_scheduler import CaptureSnapshot
+    of the 4096 columns). The rows arrive narrowed to the columns the step's formats read,
+    as CaptureScheduler clones them (qk: heads 0-3 of q and k, 512 columns)."""
+    from graphtap.capture_scheduler import CaptureSnapshot, columns
 
     width, formats, names, labels = 4096, {}, {}, []
     sites = 3 if load == "dump" else 8
@@ -126,8 +127,8 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
                 (torch.bfloat16, 1024 if k else width, (0, 1, 2, 3), 128)
             last = load == "qk" and not k
             labels += [(r, s, p) for p in range(rows_each) if not last or p == rows_each - 1]
-    n = len(labels)
-    return CaptureSnapshot(torch.randn(n, width).to(torch.bfloat16), torch.tensor(labels),
+    n, cols = len(labels), max(map(columns, formats.values()))
+    return CaptureSnapshot(torch.randn(n, cols).to(torch.bfloat16), torch.tensor(labels),
                            torch.tensor([n]), {r: f"r{r}" for r in range(reqs)}, formats,
                            names, 1 << 20)
 

@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from bench_tpot import ARCHS, count_rows, hook_config, mode_hooks, model_dir  # noqa: E402
+from bench_tpot import (ARCHS, GcPauses, count_rows, hook_config, mode_hooks,  # noqa: E402
+                        model_dir)
 
 STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
           "cudaHostAlloc", "cudaFreeHost", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",
-          "aten::nonzero", "cudaMallocHost")
+          "aten::nonzero", "cudaMallocHost", "cudaMalloc", "cudaFree")
 
 
 def engine(path: str, cfg: dict, cpu: bool):
@@ -64,8 +65,10 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
                             **({"hooks": hooks} if hooks else {}))
     prompts = [{"prompt_token_ids": rng.integers(10, cfg["vocab_size"] - 10, in_len).tolist()}
                for _ in range(n)]
+    pauses = GcPauses()  # engine, worker and frontend all run in this process
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, [params] * n, use_tqdm=False)
+    with pauses:
+        outs = llm.generate(prompts, [params] * n, use_tqdm=False)
     wall = time.perf_counter() - t0
     errors = [o.hooks.error for o in outs if o.hooks is not None and o.hooks.error]
     rows, nbytes, _ = (sum(c) for c in zip(*(count_rows(o.hooks) for o in outs)))
@@ -74,7 +77,8 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
     return {"mode": mode, "wall_s": wall, "errors": errors[:1], "rows": rows,
             "bytes": nbytes, "rows_per_s": rows / wall, "MB_per_s": nbytes / wall / 2**20,
             # in-process: no IPC between engine core and frontend in this figure
-            "ttft_ms_median": float(np.median(ttft)) if ttft else None}
+            "ttft_ms_median": float(np.median(ttft)) if ttft else None,
+            "gc_ms": round(pauses.ms, 2), "gc_full": pauses.full}
 
 
 # graphtap's Triton kernels (ops/*_triton.py); CUPTI reports them by function name, also
@@ -115,6 +119,23 @@ def added_work(modes: list[dict]) -> None:
         m["graphtap_added_pct_of_idle_step"] = round((o - base) / step * 100, 2)
 
 
+def python_top(run, n: int = 30) -> list[tuple[str, int, float, float]]:
+    """(function, calls, own ms, cumulative ms) of the n functions with the most own time
+    in one run under cProfile. torch.profiler names torch ops and graphtap's ranges; a
+    step's Python outside them (the scheduler, the output path, vLLM's own bookkeeping
+    per request) shows only here (session 7: a qk burst's steps were 1.4 ms longer than
+    idle's, of which graphtap's named ranges held 0.2)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, calls, tt, ct, callers)
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [(f"{Path(f).name}:{line}({name})", calls, round(tt * 1000, 2), round(ct * 1000, 2))
+            for (f, line, name), (_, calls, tt, ct, _) in top]
+
+
 def write_trace(prof, stem: Path) -> str:
     """The profiled run as a gzipped Chrome trace (chrome://tracing, Perfetto)."""
     import gzip
@@ -140,6 +161,9 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true",
                     help="also write each mode's profiled run as a gzipped Chrome trace "
                          "(timelines: with --requests 1, where a capturing prefill's time goes)")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also one run per mode under cProfile: its top Python functions by "
+                         "own time (host time outside torch ops: the engine's own Python)")
     args = ap.parse_args()
     # the worker in this process (set here, not at import: tests import write_trace)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -183,8 +207,12 @@ def main() -> int:
                        for e in events if any(s in e.key for s in STALLS)}
         r["top_host_ops"] = [(e.key, e.count, round(e.self_cpu_time_total / 1000, 2))
                              for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]
+        if args.cprofile:
+            r["python_top"] = python_top(lambda: burst(llm, cfg, mode, args.requests, in_len,
+                                                       out_len))
         result["modes"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "top_host_ops"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("top_host_ops", "python_top")}),
+              flush=True)
     added_work(result["modes"])
     for r in result["modes"]:
         print(f"{r['mode']:6s} step {r['step_ms']:.3f} ms, graphtap adds "

@@ -176,7 +176,8 @@ class CaptureSnapshot(LabelledSnapshot):
         attention sites [rows, heads, head_dim] of the chosen heads."""
         dtype, width, heads, head_dim = fmt
         data = rows[:, :width]
-        if head_dim:
+        if head_dim:  # a step's rows narrowed to another site's columns may end mid-head
+            data = data[:, :data.shape[1] // head_dim * head_dim]
             data = data.reshape(len(rows), -1, head_dim)
             if heads is not None:  # the copy takes the chosen heads only
                 # Runs of adjacent heads as slice copies: advanced indexing (aten::index)
@@ -187,6 +188,13 @@ class CaptureSnapshot(LabelledSnapshot):
                     out[:, dst:dst + n].copy_(data[:, src:src + n])
                 return out
         return data.to(dtype, copy=True).contiguous()
+
+
+def columns(fmt: tuple) -> int:
+    """Buffer columns an output format reads: its site's width, or with chosen heads up
+    to the last of them (rows hold every head in order; _cut takes the chosen ones)."""
+    _, width, heads, head_dim = fmt
+    return width if heads is None else (max(heads) + 1) * head_dim
 
 
 def _group_keys(slot: np.ndarray, site: np.ndarray) -> np.ndarray:
@@ -256,6 +264,7 @@ class RequestEntries:
         self.model_dtype = model_dtype
         self.device = device
         self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
+        self._cols: dict[int, int] = {}  # slot -> buffer columns its formats read
         self._slot_of: dict[str, int] = {}
         self._wanted: dict[str, Wants] = {}  # req_id -> positions its entries want
         # slot -> past its last wanted position, 0 without entries (rows_in_step's
@@ -302,6 +311,7 @@ class RequestEntries:
         if req_id in self._slot_of:
             slot = self._slot_of.pop(req_id)
             self._formats.pop(slot, None)
+            self._cols.pop(slot, None)
             self._ends[slot] = 0
             del self._wanted[req_id]
 
@@ -327,14 +337,18 @@ class RequestEntries:
         self._step = ({self._slot_of[r]: r for r in self._in_batch(input_batch)}, bound,
                       positions_end(input_batch, self.max_len))
 
-    def _snapshot(self, cls, rows: torch.Tensor, labels: torch.Tensor, dummy_run: bool,
-                  width: bool = False):
-        """Clone the step's used rows (and, with `width`, only the columns up to the
-        step's last position: pattern rows span max_model_len keys)."""
+    def _columns(self, slots, hi: int) -> int | None:
+        """Buffer columns the step's rows can use (slots: the batch's requests with
+        entries; hi: past the step's last position); None: all."""
+        return None
+
+    def _snapshot(self, cls, rows: torch.Tensor, labels: torch.Tensor, dummy_run: bool):
+        """Clone the step's used rows, and of them the columns its requests can use
+        (_columns): the clone, the copy home and its pinned buffer shrink with them."""
         if dummy_run or self._step is None:
             return None
         slot_to_req, bound, hi = self._step
-        rows = rows[:bound, :hi] if width else rows[:bound]
+        rows = rows[:bound, :self._columns(slot_to_req, hi)]
         formats = {(s, site): f for s in slot_to_req for site, f in self._formats[s].items()}
         names = {i: s.name for i, s in enumerate(self.sites.sites)}
         # Clones on the main stream: the next step reuses the buffer (async scheduling).
@@ -363,6 +377,15 @@ class CaptureScheduler(RequestEntries):
             return (dtype, width, None if heads is None else tuple(heads), head_dim), 1
 
         self._add(slot, req_id, prompt_len, entries, self.t.cap_site, self.t.cap_pos, describe)
+        if entries:
+            self._cols[slot] = max(map(columns, self._formats[slot].values()))
+
+    def _columns(self, slots, hi: int) -> int:
+        # A row spans the widest configured site (Qwen2-1.5B: 1536 columns) where k rows
+        # of 2 chosen heads read 256: copying whole rows home moved 6x the bytes of a qk
+        # prefill step. Every request of the batch with entries counts, capturing now or
+        # not, as in the step's attribution (_set_step).
+        return max((self._cols[s] for s in slots), default=0)
 
     def prepare_step(self, input_batch, tok_slot: torch.Tensor, dummy_run: bool,
                      capturing: list[tuple[int, str, int]] | None = None) -> None:

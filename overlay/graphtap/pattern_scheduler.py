@@ -103,8 +103,11 @@ class PatternScheduler(RequestEntries):
         self._idle = False
         self._set_step(input_batch, active)
 
+    def _columns(self, slots, hi: int) -> int:
+        return hi  # a pattern row spans max_model_len keys; no step reaches past hi
+
     def collect(self, dummy_run: bool) -> PatternSnapshot | None:
-        return self._snapshot(PatternSnapshot, self.t.buf, self.t.route, dummy_run, width=True)
+        return self._snapshot(PatternSnapshot, self.t.buf, self.t.route, dummy_run)
 
 
 def unpack_patterns(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
