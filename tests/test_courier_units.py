@@ -75,7 +75,7 @@ def test_step_split_per_request_matches_a_row_by_row_reference(labels):
     result may view the step's buffer (it would pin it)."""
     import numpy as np
 
-    from graphtap.capture_scheduler import CaptureSnapshot, _grouped_in_order
+    from graphtap.courier import CaptureSnapshot, _grouped_in_order
 
     width, hd = 16, 2  # buffer row width; attention sites: 4 heads x 2 = 8 columns
     names = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v"}
@@ -113,7 +113,7 @@ def test_a_step_copies_home_only_the_columns_its_formats_read():
     """Rows hold every head of a site in order and span the widest configured site; a
     step whose requests read heads 0-1 of k (and head 0 of v) clones and copies home
     only those columns, and splits them as it would the whole rows."""
-    from graphtap.capture_scheduler import CaptureSnapshot, columns
+    from graphtap.courier import CaptureSnapshot, columns
 
     width, hd = 16, 2
     fmts = {(0, 0): (torch.float32, 8, (1, 0), hd), (0, 1): (torch.float32, 8, (0,), hd),
@@ -139,7 +139,7 @@ def test_a_step_copies_home_only_the_columns_its_formats_read():
 
 
 def test_head_runs_copy_adjacent_heads_as_slices_in_the_order_asked():
-    from graphtap.capture_scheduler import _head_runs
+    from graphtap.courier import _head_runs
 
     assert _head_runs((0, 1, 2, 3)) == ((0, 0, 4),)
     assert _head_runs((5, 2, 3)) == ((0, 5, 1), (1, 2, 2))
@@ -153,7 +153,7 @@ def test_every_split_result_serialises_like_vllm_sends_it():
     1-element positions column with numpy's stride of 3."""
     from vllm.v1.utils import tensor_data
 
-    from graphtap.capture_scheduler import CaptureSnapshot
+    from graphtap.courier import CaptureSnapshot
 
     for n in (1, 2, 5):
         labels = torch.tensor([(0, 0, p) for p in range(n)])
@@ -170,7 +170,7 @@ def test_grouped_in_order_against_brute_force():
     non-decreasing positions."""
     import numpy as np
 
-    from graphtap.capture_scheduler import _grouped_in_order
+    from graphtap.courier import _grouped_in_order
 
     rng = np.random.default_rng(1)
     for _ in range(500):

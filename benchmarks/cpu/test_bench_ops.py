@@ -114,7 +114,7 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
     q at the last token and k at every token, 4 layers, 4 of 8 kv heads (k rows use 512
     of the 4096 columns). The rows arrive narrowed to the columns the step's formats read,
     as CaptureScheduler clones them (qk: heads 0-3 of q and k, 512 columns)."""
-    from graphtap.capture_scheduler import CaptureSnapshot, columns
+    from graphtap.courier import CaptureSnapshot, columns
 
     width, formats, names, labels = 4096, {}, {}, []
     sites = 3 if load == "dump" else 8

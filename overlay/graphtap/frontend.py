@@ -11,7 +11,7 @@ import torch
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend, merge_hook_chunks
 
-from graphtap.capture_scheduler import BOUND_SHORT, OVERFLOW_KEY
+from graphtap.courier import BOUND_SHORT, OVERFLOW_KEY
 from graphtap.config import HookConfig
 from graphtap.outputs import HookOutputs
 from graphtap.pattern_scheduler import unpack_patterns

@@ -18,7 +18,8 @@ from vllm.v1.worker.gpu.hooks import HookManager, hook_config
 import graphtap.ops.capture  # noqa: F401  registers graphtap::capture_resid_
 import graphtap.ops.pattern  # noqa: F401  registers graphtap::capture_pattern_
 import graphtap.ops.steer  # noqa: F401  registers graphtap::steer_resid_ before any trace
-from graphtap.capture_scheduler import CaptureScheduler, StepSnapshots
+from graphtap.capture_scheduler import CaptureScheduler
+from graphtap.courier import StepSnapshots
 from graphtap.config import load_hook_config
 from graphtap.frontend import GraphtapFrontend, model_shape
 from graphtap.ops.capture import bind_capture_tables

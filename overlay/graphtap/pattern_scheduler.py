@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from graphtap.capture_scheduler import LabelledSnapshot, RequestEntries
+from graphtap.capture_scheduler import RequestEntries
+from graphtap.courier import LabelledSnapshot
 from graphtap.sites import SiteTable
 from graphtap.tables import PatternTables, entry_bits, host_to_device
 
