@@ -159,24 +159,28 @@ def test_added_work_is_over_the_idle_runs():
 
 def test_bench_twin_quick(tmp_path):
     """bench_twin.py on CPU: two engines, each mode beside an idle run with the same
-    arrivals, rows complete, paired per `pair` on both clocks (no speed claims)."""
+    arrivals, rows complete, paired per `pair` on both clocks; dump at the burst only
+    (no speed claims)."""
     res = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_twin.py"), "--quick",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+                          "--burst-modes", "dump", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / "twin-tiny-quick.json").read_text())
     runs = data["runs"]
-    assert len(runs) == 2 * 3 * 2  # (mode, idle) x modes idle2, hs, qk x loads 8 req/s, 3 at once
+    # (mode, idle) x (modes idle2, hs, qk x loads 8 req/s, 3 at once + dump at 3 at once)
+    assert len(runs) == 2 * (3 * 2 + 1)
     for mode_run, idle_run in zip(runs[::2], runs[1::2]):
         assert idle_run["mode"] == "idle" and idle_run["pair"] == mode_run["mode"]
         assert {mode_run["engine"], idle_run["engine"]} == {0, 1}
         assert {mode_run["first"], idle_run["first"]} == {True, False}
         assert (mode_run["rate"], mode_run["rep"]) == (idle_run["rate"], idle_run["rep"])
-        rows = {"idle2": 0, "hs": 3, "qk": 68}[mode_run["mode"]]
+        rows = {"idle2": 0, "hs": 3, "qk": 68, "dump": 3 * (16 + 8 - 1)}[mode_run["mode"]]
         assert mode_run["rows_per_request_min"] == mode_run["rows_per_request_max"] == rows
         assert idle_run["rows"] == 0 and mode_run["capture_failed"] == 0
     for key in ("summary_overhead_vs_idle_pct", "summary_overhead_vs_idle_pct_engine"):
-        assert set(data[key]) == {"idle2", "hs", "qk"}
-        assert all(set(c) == {"8", "burst3"} for c in data[key].values())
+        assert set(data[key]) == {"idle2", "hs", "qk", "dump"}
+        assert all(set(c) == ({"burst3"} if m == "dump" else {"8", "burst3"})
+                   for m, c in data[key].items())
 
 
 def test_twin_runs_pair_with_the_idle_run_beside_them():

@@ -49,6 +49,7 @@ async def bench(args) -> dict:
               "runs": [], "gpu": gpu_name(), "vllm": vllm_version(), "memory": memory}
     vec = steer_vector(cfg)
     modes = [m for m in args.modes.split(",") if m and m != "idle"]
+    burst_modes = [m for m in args.burst_modes.split(",") if m and m != "idle"]  # e.g. dump
     out = Path(args.out) / f"twin-{args.model}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -57,7 +58,7 @@ async def bench(args) -> dict:
         freeze_gc_heap()  # as bench_tpot.py (and `vllm serve`) after the warm-up
         for rep in range(args.reps):
             for rate, burst in loads(args):
-                for mode in rotated(modes, rep):
+                for mode in rotated(modes + (burst_modes if burst else []), rep):
                     a, b = engines if rep % 2 == 0 else engines[::-1]  # who runs the mode
                     # one t0: both runs' requests arrive at the same moments; whose request
                     # is submitted first at a moment flips every two repetitions, apart
