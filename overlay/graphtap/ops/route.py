@@ -76,7 +76,7 @@ def route_reference(t: CaptureTables, slot: torch.Tensor, positions: torch.Tenso
     n = slot.shape[0]
     pos = positions.long().clamp(0, max_len - 1)
     num_sites = t.cap_dst.shape[0]
-    tokens = torch.arange(n, device=slot.device)
+    tokens = _token_rows(t.cap_dst.shape[1], torch.long, slot.device)[:n]
     # All entries at once: a fixed number of kernels per step, whatever max_captures.
     # A request names each site once, so active (site, token) pairs never collide and
     # a plain index_put_ suffices; inactive entries write into an extra, dropped row.
@@ -90,7 +90,7 @@ def route_reference(t: CaptureTables, slot: torch.Tensor, positions: torch.Tenso
     dst = torch.where(flat & (index < t.rows), index, t.rows)
     t.cap_dst[:, :n].copy_(dst.view(num_sites, n))
     t.count.copy_(flat.sum().reshape(1))
-    sites = torch.arange(num_sites, device=slot.device).repeat_interleave(n)
+    sites = _token_rows(num_sites, torch.long, slot.device).repeat_interleave(n)
     labels = torch.stack((slot.repeat(num_sites), sites, pos.repeat(num_sites)), dim=1)
     t.meta[:, 0].fill_(-1)
     t.meta.index_copy_(0, dst, labels)
