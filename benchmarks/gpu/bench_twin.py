@@ -66,10 +66,10 @@ async def bench(args) -> dict:
                     # was 3 % higher at 16 req/s, in the A/A control too)
                     t0 = time.perf_counter() + 0.05  # past both runs' prompt generation
                     first = (rep // 2) % 2 == 0
-                    runs = [run_rate(a, args, cfg, rate, rep, mode_hooks(mode, cfg, vec),
+                    pair = [run_rate(a, args, cfg, rate, rep, mode_hooks(mode, cfg, vec),
                                      burst, t0),
                             run_rate(b, args, cfg, rate, rep, None, burst, t0)]
-                    done = await asyncio.gather(*(runs if first else runs[::-1]))
+                    done = await asyncio.gather(*(pair if first else pair[::-1]))
                     ra, rb = done if first else done[::-1]
                     ra.update(mode=mode, pair=mode, engine=rep % 2, first=first)
                     rb.update(mode="idle", pair=mode, engine=1 - rep % 2, first=not first)
