@@ -136,6 +136,9 @@ def test_profile_capture_cpu(tmp_path):
                                                        "graphtap.collect"}
         assert "graphtap_added_pct_of_idle_step" in m
         assert m["gc_ms"] >= 0 and len(m["python_top"]) == 30
+        kinds = m["step_kinds"]  # 8 steps: 7 intervals; hs and qk copy rows home in some
+        assert sum(kinds[k]["count"] for k in ("plain", "copy")) <= 7
+        assert (kinds["copy"]["count"] > 0) == (m["mode"] != "idle"), kinds
         assert all(calls > 0 and cum >= own >= 0 for _, calls, own, cum in m["python_top"])
     assert sorted(p.name for p in tmp_path.glob("trace-*.json.gz")) == [
         "trace-tiny-hs-1.json.gz", "trace-tiny-idle-0.json.gz", "trace-tiny-idle-3.json.gz",

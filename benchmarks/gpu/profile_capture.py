@@ -119,6 +119,36 @@ def added_work(modes: list[dict]) -> None:
         m["graphtap_added_pct_of_idle_step"] = round((o - base) / step * 100, 2)
 
 
+def step_kinds(prof) -> dict:
+    """Host time between consecutive steps' `graphtap.prepare_step` by what the step did:
+    `copy` (its rows were snapshotted and copied home: graphtap.to_cpu), `split` (a
+    previous step's rows were split per request: graphtap.per_request), or neither, as
+    count and median ms, plus the time `copy`/`split` steps took over the median plain
+    step in all. Whether a capture load's extra time sits in the few capturing steps or
+    spreads over all of them (session 7's qk burst: 1.4 ms per step more than idle on
+    average, unattributed)."""
+    def starts(name):
+        return np.array(sorted(e.time_range.start for e in prof.events() if e.name == name))
+
+    steps = starts("graphtap.prepare_step")
+    if len(steps) < 2:
+        return {}
+    ms = np.diff(steps) / 1000
+    kind = np.zeros(len(ms), dtype=int)
+    for bit, name in ((1, "graphtap.to_cpu"), (2, "graphtap.per_request")):
+        at = np.searchsorted(steps, starts(name), side="right") - 1
+        np.bitwise_or.at(kind, at[(at >= 0) & (at < len(ms))], bit)
+    plain = ms[kind == 0]
+    base = float(np.median(plain)) if len(plain) else 0.0
+    out = {"plain": {"count": int(len(plain)), "median_ms": round(base, 3)}}
+    for bit, label in ((1, "copy"), (2, "split")):
+        sel = ms[(kind & bit) != 0]
+        out[label] = {"count": int(len(sel)),
+                      "median_ms": round(float(np.median(sel)), 3) if len(sel) else None,
+                      "over_plain_ms": round(float(np.sum(sel - base)), 2)}
+    return out
+
+
 def python_top(run, n: int = 30) -> list[tuple[str, int, float, float]]:
     """(function, calls, own ms, cumulative ms) of the n functions with the most own time
     in one run under cProfile. torch.profiler names torch ops and graphtap's ranges; a
@@ -203,6 +233,7 @@ def main() -> int:
         dev_total, dev_ours = device_ms(prof)
         r["device_ms_per_step"] = round(dev_total / max(steps, 1), 4)
         r["graphtap_device_ms_per_step"] = round(dev_ours / max(steps, 1), 4)
+        r["step_kinds"] = step_kinds(prof)
         r["stalls"] = {e.key: {"count": e.count, "cpu_ms": e.cpu_time_total / 1000}
                        for e in events if any(s in e.key for s in STALLS)}
         r["top_host_ops"] = [(e.key, e.count, round(e.self_cpu_time_total / 1000, 2))
