@@ -142,7 +142,9 @@ def test_courier_split(benchmark, reqs, rows_each, load):
     prefill step of 8 x 256 tokens; copying whole 4096-wide rows for k rows that use
     1024 made it 12 ms here (and +20 % TPOT at 64 requests at once on the H200); 1.5 ms
     since, and 0.6 ms once adjacent chosen heads are copied as slices instead of gathered
-    (advanced indexing was the top host op of qk on the H200 host)."""
+    (advanced indexing was the top host op of qk on the H200 host). Seventh session: 1.72
+    ms with whole rows vs 0.41 ms with the rows narrowed to the 512 columns the step's
+    formats read, back to back here (the scheduler clones only those since)."""
     snap = step_snapshot(reqs, rows_each, load)
     out = benchmark(snap.per_request)
     name = snap.site_names[1]
