@@ -188,9 +188,11 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--modes", default="idle,hs,qk,mixed,dump,idle")  # e.g. idle,qk,dump,idle
-    ap.add_argument("--trace", action="store_true",
-                    help="also write each mode's profiled run as a gzipped Chrome trace "
-                         "(timelines: with --requests 1, where a capturing prefill's time goes)")
+    ap.add_argument("--trace", nargs="?", const="all", default="",
+                    help="also write each mode's profiled run (or only those of the modes "
+                         "listed, e.g. qk) as a gzipped Chrome trace: the timeline of where a "
+                         "capturing step's time goes (the device tool brings back files of "
+                         "up to 16 MiB: a 64-request trace of every mode may not fit)")
     ap.add_argument("--cprofile", action="store_true",
                     help="also one run per mode under cProfile: its top Python functions by "
                          "own time (host time outside torch ops: the engine's own Python)")
@@ -216,7 +218,7 @@ def main() -> int:
         with profile(activities=activities) as prof:
             r2 = burst(llm, cfg, mode, args.requests, in_len, out_len)
         r["wall_profiled_s"] = r2["wall_s"]
-        if args.trace:
+        if args.trace == "all" or mode in args.trace.split(","):
             r["trace"] = write_trace(prof, out / f"trace-{args.model}-{mode}-{len(result['modes'])}")
         events = prof.key_averages()
         steps = next((e.count for e in events if e.key == "graphtap.prepare_step"), 0)
