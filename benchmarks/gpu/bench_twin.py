@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tpot import (engine_args, gpu_name, loads, mode_hooks, model_dir,  # noqa: E402
-                        parser, prepare, rotated, run_rate, steer_vector, vllm_version,
-                        write_result)
+from bench_tpot import (engine_args, gpu_name, loads, parser, prepare, rotated,  # noqa: E402
+                        run_rate, vllm_version, write_result)
+from workloads import mode_hooks, model_dir, steer_vector  # noqa: E402
 
 
 async def bench(args) -> dict:

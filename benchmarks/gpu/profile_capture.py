@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from bench_tpot import (ARCHS, GcPauses, count_rows, hook_config, mode_hooks,  # noqa: E402
-                        model_dir)
+from bench_tpot import GcPauses  # noqa: E402
+from workloads import ARCHS, count_rows, hook_config, mode_hooks, model_dir  # noqa: E402
 
 STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
           "cudaHostAlloc", "cudaFreeHost", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",

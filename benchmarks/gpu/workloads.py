@@ -1,0 +1,95 @@
+"""The benchmarks' workloads, shared by bench_tpot.py, bench_twin.py and profile_capture.py:
+real architecture shapes with dummy weights, each bench mode's per-request hooks, the
+configured sites they need, and how a finished output's captured rows are counted."""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ARCHS = {  # real architecture shapes; weights are dummy (speed does not depend on them)
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
+                      hidden_act="silu", torch_dtype="bfloat16"),
+    "qwen2-1.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536,
+                       intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643,
+                       eos_token_id=151643, tie_word_embeddings=True, hidden_act="silu",
+                       use_sliding_window=False, torch_dtype="bfloat16"),
+}
+
+def model_dir(name: str) -> tuple[str, dict]:
+    if name == "tiny":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlay"))
+        from graphtap.testing.tiny_models import SPECS, tiny_model
+
+        return str(tiny_model("llama")), {**SPECS["llama"], "vocab_size": 512}
+    d = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    (d / "config.json").write_text(json.dumps(ARCHS[name]))
+    return str(d), ARCHS[name]
+
+
+def hook_config(cfg: dict, modes: list[str]) -> dict:
+    """The configured sites are the union of the modes' sites (plus the steering site)."""
+    sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
+    if {"hs", "mixed", "dump"} & set(modes):
+        sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
+    if {"qk", "mixed"} & set(modes):
+        sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
+    # dump captures 3 rows per token: room for a full prefill step of 16k tokens
+    return {"sites": sorted(set(sites)), "max_captures": 16, "capture_rows": 3 * 16384}
+
+
+def steer_layer(cfg: dict) -> int:
+    return cfg["num_hidden_layers"] // 2
+
+
+def hs_layers(cfg: dict) -> list[int]:  # hallucination-probe style: 3 layers, last token
+    n = cfg["num_hidden_layers"]
+    return [n // 4, n // 2, 3 * n // 4]
+
+
+def qk_layers(cfg: dict) -> list[int]:  # Attention-Tracker style: 4 layers x 4 heads
+    n = cfg["num_hidden_layers"]
+    return [n // 8, n // 4, n // 2, 3 * n // 4][:4]
+
+
+def mode_hooks(mode: str, cfg: dict, vec: list[float]) -> dict | None:
+    """Per-request spec of a benchmark mode (None: no hooks)."""
+    steer = [{"site": f"blocks.{steer_layer(cfg)}.hook_resid_post", "op": "add", "scale": 1.0,
+              "vector": vec, "positions": "all"}]
+    hs = [{"site": f"blocks.{layer}.hook_resid_post", "positions": "last_prompt"}
+          for layer in hs_layers(cfg)]
+    heads = list(range(min(4, cfg["num_key_value_heads"])))
+    qk = [c for layer in qk_layers(cfg) for c in (
+        {"site": f"blocks.{layer}.attn.hook_q", "positions": "last_prompt", "heads": heads},
+        {"site": f"blocks.{layer}.attn.hook_k", "positions": "prompt", "heads": heads})]
+    dump = [{"site": f"blocks.{layer}.hook_resid_post", "positions": "all"}
+            for layer in hs_layers(cfg)]
+    return {"idle": None, "idle2": None, "plain": None, "steer": {"steer": steer},
+            "hs": {"capture": hs},
+            "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk},
+            "dump": {"capture": dump}}[mode]
+
+
+def count_rows(hooks) -> tuple[int, int, int]:
+    """(rows, bytes, 1 if the request's captures failed) of one finished output."""
+    if hooks is None:
+        return 0, 0, 0
+    if getattr(hooks, "error", None):
+        return 0, 0, 1
+    return (sum(v.shape[0] for v in hooks.values()),
+            sum(v.numel() * v.element_size() for v in hooks.values()), 0)
+
+
+def steer_vector(cfg: dict) -> list[float]:
+    """The steer mode's vector: fixed seed, norm 4."""
+    vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
+    return (vec / np.linalg.norm(vec) * 4.0).tolist()
