@@ -104,7 +104,7 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    n = (burst or getattr(args, "requests_by_rate", {}).get(rate) or args.requests
+    n = (burst or args.requests_by_rate.get(rate) or args.requests  # set by prepare()
          or REQUESTS_PER_RATE.get(int(rate), 24))
     rng = np.random.default_rng([rep + 1, int(rate), burst])
     gaps = rng.exponential(1.0 / rate, size=n)
