@@ -70,6 +70,20 @@ def test_paired_overheads():
     assert paired_overheads(engine, "tpot_engine_ms_by_request") == \
         {"hs": {"8": {"reps": [2.0, 0.0], "pooled": 1.0}}}
     assert paired_overheads(engine) == {}
+    # ci: the pooled figure's bootstrap interval over whole repetitions, reproducible
+    cell = paired_overheads(runs, ci=True)["hs"]["8"]
+    assert cell["ci95"][0] <= cell["pooled"] <= cell["ci95"][1] and cell["ci95"][1] <= 2.0
+    assert cell == paired_overheads(runs, ci=True)["hs"]["8"]
+
+
+def test_bootstrap_ci_resamples_repetitions():
+    """One repetition gives no interval; repetitions that disagree give a wide one."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from tpot_stats import bootstrap_ci
+
+    assert bootstrap_ci([[1.01, 1.02, 1.03]]) == [2.0, 2.0]
+    lo, hi = bootstrap_ci([[1.0] * 50, [1.10] * 50, [1.0] * 50, [1.10] * 50])
+    assert lo == 0.0 and hi == 10.0  # resampling the 200 requests alone: about +5 % only
 
 
 def test_report_merges_results(tmp_path):

@@ -10,6 +10,8 @@ and the A/A control's (mode idle2) worst cell, the measurement's own noise.
 
 With --engine the cells use TPOT on the engine core's clock (tpot_engine_ms_by_request,
 recorded by bench_tpot.py since session 6's launches), leaving the client's delays out.
+With --ci each cell adds the pooled figure's 95 % interval, from a bootstrap that
+resamples whole repetitions (tpot_stats.bootstrap_ci).
 
     python3 benchmarks/gpu/capture_report.py benchmarks/results/capture-llama3-8b-s4-*.json
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tpot_stats import summarise  # noqa: E402
+from tpot_stats import ENGINE, FRONTEND, paired_overheads, summarise  # noqa: E402
 
 MODES = ["idle2", "hs", "qk", "mixed", "steer", "dump"]  # idle2: the A/A control
 TARGETS = {"hs": 2.5, "qk": 3.5}  # issue 4: TPOT overhead vs idle, %, at every load
@@ -68,18 +70,20 @@ def table(files: list[Path]) -> str:
     return render(*merged(files))
 
 
-def overheads(result: dict, engine: bool = False) -> dict:
-    """The paired overheads of merged() launches, on the client's or the engine's clock."""
+def overheads(result: dict, engine: bool = False, ci: bool = False) -> dict:
+    """The paired overheads of merged() launches, on the client's or the engine's clock;
+    with ci, recomputed with each cell's bootstrap interval (`ci95`)."""
     key = "summary_overhead_vs_idle_pct" + ("_engine" if engine else "")
     if key not in result:
         raise SystemExit("these launches carry no engine-clock TPOT "
                          "(tpot_engine_ms_by_request): run without --engine")
-    return result[key]
+    return paired_overheads(result["runs"], ENGINE if engine else FRONTEND, ci=True) \
+        if ci else result[key]
 
 
-def render(result: dict, models: set[str], engine: bool = False) -> str:
+def render(result: dict, models: set[str], engine: bool = False, ci: bool = False) -> str:
     """The table of merged() launches."""
-    overhead = overheads(result, engine)
+    overhead = overheads(result, engine, ci)
     idle = result["summary_tpot_ms"]["idle"]
     loads = sorted(idle, key=column_order)
     heads = [f"{k[5:]} at once" if k.startswith("burst") else f"{k} req/s" for k in loads]
@@ -92,7 +96,9 @@ def render(result: dict, models: set[str], engine: bool = False) -> str:
             c = overhead[mode].get(k)
             cells.append("–" if c is None else
                          f"{c['pooled']:+.1f} % [{min(c['reps']):+.1f}, {max(c['reps']):+.1f}]"
-                         f" n={len(c['reps'])}")
+                         f" n={len(c['reps'])}"
+                         + (f" (95 % CI {c['ci95'][0]:+.1f}, {c['ci95'][1]:+.1f})"
+                            if "ci95" in c else ""))
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -103,10 +109,12 @@ def main() -> int:
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--engine", action="store_true",
                     help="TPOT from the engine core's output timestamps")
+    ap.add_argument("--ci", action="store_true",
+                    help="each cell's 95 %% interval (bootstrap over repetitions)")
     args = ap.parse_args()
     result, models = merged(args.files)  # read and summarised once for both
-    print(render(result, models, args.engine))
-    print(verdict(overheads(result, args.engine)))
+    print(render(result, models, args.engine, args.ci))
+    print(verdict(overheads(result, args.engine)))  # pooled figures: no interval needed
     return 0
 
 

@@ -2,6 +2,7 @@
 vs idle paired per request (shared by bench_tpot.py and capture_report.py)."""
 from __future__ import annotations
 
+import random
 import statistics
 
 
@@ -26,11 +27,12 @@ FRONTEND = "tpot_ms_by_request"  # per-request TPOT from token arrival in the cl
 ENGINE = "tpot_engine_ms_by_request"  # the same from the engine core's output timestamps
 
 
-def paired_overheads(runs: list[dict], key: str = FRONTEND) -> dict:
+def paired_overheads(runs: list[dict], key: str = FRONTEND, ci: bool = False) -> dict:
     """Per mode and load: the overhead vs idle from per-request TPOT ratios (request i has
     the same arrival and prompt in both), per repetition (median of its ratios) and pooled
     (median of every repetition's ratios), in %. Far less noisy than comparing two runs'
-    medians, whose requests met different batch mixes in different repetitions."""
+    medians, whose requests met different batch mixes in different repetitions. With ci,
+    each cell also gets `ci95`: the pooled figure's 95 % bootstrap interval."""
     # bench_twin.py: each run has its own idle run beside it, named by `pair`
     idle = {(load_key(r), r["rep"], r.get("pair")): r.get(key) for r in runs
             if r["mode"] == "idle"}
@@ -42,10 +44,29 @@ def paired_overheads(runs: list[dict], key: str = FRONTEND) -> dict:
         ratios = [m / b for m, b in zip(r[key], base) if m and b]
         if not ratios:
             continue
-        cell = out.setdefault(r["mode"], {}).setdefault(load_key(r), {"reps": [], "_all": []})
+        cell = out.setdefault(r["mode"], {}).setdefault(load_key(r), {"reps": [], "_by": []})
         cell["reps"].append(round((statistics.median(ratios) - 1) * 100, 2))
-        cell["_all"] += ratios
+        cell["_by"].append(ratios)
     for by_load in out.values():
         for cell in by_load.values():
-            cell["pooled"] = round((statistics.median(cell.pop("_all")) - 1) * 100, 2)
+            by_rep = cell.pop("_by")
+            cell["pooled"] = _pct(statistics.median([x for rep in by_rep for x in rep]))
+            if ci:
+                cell["ci95"] = bootstrap_ci(by_rep)
     return out
+
+
+def _pct(ratio: float) -> float:
+    return round((ratio - 1) * 100, 2)
+
+
+def bootstrap_ci(by_rep: list[list[float]], n: int = 1000, seed: int = 0) -> list[float]:
+    """95 % interval of the pooled median ratio (in %), resampling whole repetitions: the
+    requests of one repetition met one host state and one batch mix, so they are not
+    independent, and resampling requests would claim a precision the runs do not have."""
+    rng = random.Random(seed)  # seeded: a report reads the same twice
+    medians = sorted(
+        statistics.median([x for i in rng.choices(range(len(by_rep)), k=len(by_rep))
+                           for x in by_rep[i]])
+        for _ in range(n))
+    return [_pct(medians[int(0.025 * n)]), _pct(medians[int(0.975 * n) - 1])]
