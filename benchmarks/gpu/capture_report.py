@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tpot_stats import ENGINE, FRONTEND, paired_overheads, summarise  # noqa: E402
+from tpot_stats import summarise  # noqa: E402
 
 MODES = ["idle2", "hs", "qk", "mixed", "steer", "dump"]  # idle2: the A/A control
 TARGETS = {"hs": 2.5, "qk": 3.5}  # issue 4: TPOT overhead vs idle, %, at every load
@@ -53,16 +53,17 @@ def column_order(key: str) -> tuple[int, float]:
     return (1, float(key[5:])) if key.startswith("burst") else (0, float(key))
 
 
-def merged(files: list[Path]) -> tuple[dict, set[str]]:
+def merged(files: list[Path], ci: bool = False) -> tuple[dict, set[str]]:
     """Every file's runs as one launch (repetitions kept apart per file), summarised as
-    bench_tpot.py summarises a launch; and the models they measured."""
+    bench_tpot.py summarises a launch (with ci, each cell's interval too); and the models
+    they measured."""
     runs, models = [], set()
     for i, f in enumerate(files):
         d = json.loads(f.read_text())
         models.add(d["model"])
         runs += [{**r, "rep": (i, r["rep"])} for r in d["runs"]]
     result = {"runs": runs}
-    summarise(result)
+    summarise(result, ci)
     return result, models
 
 
@@ -70,20 +71,18 @@ def table(files: list[Path]) -> str:
     return render(*merged(files))
 
 
-def overheads(result: dict, engine: bool = False, ci: bool = False) -> dict:
-    """The paired overheads of merged() launches, on the client's or the engine's clock;
-    with ci, recomputed with each cell's bootstrap interval (`ci95`)."""
+def overheads(result: dict, engine: bool = False) -> dict:
+    """The paired overheads of merged() launches, on the client's or the engine's clock."""
     key = "summary_overhead_vs_idle_pct" + ("_engine" if engine else "")
     if key not in result:
         raise SystemExit("these launches carry no engine-clock TPOT "
                          "(tpot_engine_ms_by_request): run without --engine")
-    return paired_overheads(result["runs"], ENGINE if engine else FRONTEND, ci=True) \
-        if ci else result[key]
+    return result[key]
 
 
-def render(result: dict, models: set[str], engine: bool = False, ci: bool = False) -> str:
-    """The table of merged() launches."""
-    overhead = overheads(result, engine, ci)
+def render(result: dict, models: set[str], engine: bool = False) -> str:
+    """The table of merged() launches (cells add their interval where merged(ci=True))."""
+    overhead = overheads(result, engine)
     idle = result["summary_tpot_ms"]["idle"]
     loads = sorted(idle, key=column_order)
     heads = [f"{k[5:]} at once" if k.startswith("burst") else f"{k} req/s" for k in loads]
@@ -112,9 +111,9 @@ def main() -> int:
     ap.add_argument("--ci", action="store_true",
                     help="each cell's 95 %% interval (bootstrap over repetitions)")
     args = ap.parse_args()
-    result, models = merged(args.files)  # read and summarised once for both
-    print(render(result, models, args.engine, args.ci))
-    print(verdict(overheads(result, args.engine)))  # pooled figures: no interval needed
+    result, models = merged(args.files, args.ci)  # read and summarised once for both
+    print(render(result, models, args.engine))
+    print(verdict(overheads(result, args.engine)))
     return 0
 
 

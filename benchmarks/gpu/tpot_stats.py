@@ -6,15 +6,17 @@ import random
 import statistics
 
 
-def summarise(result: dict) -> None:
+def summarise(result: dict, ci: bool = False) -> None:
+    """Median TPOT per mode and load, and the paired overheads vs idle on both clocks
+    (with ci, each cell's bootstrap interval too: paired_overheads)."""
     summary: dict[str, dict[str, float]] = {}
     for r in result["runs"]:
         key = load_key(r)
         summary.setdefault(r["mode"], {}).setdefault(key, []).append(r["tpot_ms_median"])
     result["summary_tpot_ms"] = {m: {k: statistics.median(v) for k, v in d.items()}
                                  for m, d in summary.items()}
-    result["summary_overhead_vs_idle_pct"] = paired_overheads(result["runs"])
-    engine = paired_overheads(result["runs"], ENGINE)
+    result["summary_overhead_vs_idle_pct"] = paired_overheads(result["runs"], ci=ci)
+    engine = paired_overheads(result["runs"], ENGINE, ci)
     if engine:  # launches from before the engine-clock figure have none
         result["summary_overhead_vs_idle_pct_engine"] = engine
 

@@ -25,6 +25,7 @@ ARCHS = {  # real architecture shapes; weights are dummy (speed does not depend 
                        use_sliding_window=False, torch_dtype="bfloat16"),
 }
 
+
 def model_dir(name: str) -> tuple[str, dict]:
     if name == "tiny":
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlay"))
