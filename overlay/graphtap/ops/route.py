@@ -43,7 +43,7 @@ def route_tokens(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor, n
 def route_tokens_reference(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor,
                            n: int, num_reqs: int) -> None:
     qsl = qsl[: num_reqs + 1]
-    rows = _token_rows(t.tok_slot.shape[0], qsl.dtype, qsl.device)[:n]
+    rows = _arange(t.tok_slot.shape[0], qsl.dtype, qsl.device)[:n]
     batch_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)
     batch_row.clamp_(max=num_reqs - 1)
     slot = idx_mapping[batch_row].to(torch.int64)
@@ -53,7 +53,7 @@ def route_tokens_reference(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch
 
 
 @functools.lru_cache(maxsize=8)
-def _token_rows(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _arange(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """0..size-1, made once per table size and device and sliced every step: no
     allocation per step (as the scheduler's own arange was before this moved here)."""
     return torch.arange(size, dtype=dtype, device=device)
@@ -76,7 +76,7 @@ def route_reference(t: CaptureTables, slot: torch.Tensor, positions: torch.Tenso
     n = slot.shape[0]
     pos = positions.long().clamp(0, max_len - 1)
     num_sites = t.cap_dst.shape[0]
-    tokens = _token_rows(t.cap_dst.shape[1], torch.long, slot.device)[:n]
+    tokens = _arange(t.cap_dst.shape[1], torch.long, slot.device)[:n]
     # All entries at once: a fixed number of kernels per step, whatever max_captures.
     # A request names each site once, so active (site, token) pairs never collide and
     # a plain index_put_ suffices; inactive entries write into an extra, dropped row.
@@ -90,7 +90,7 @@ def route_reference(t: CaptureTables, slot: torch.Tensor, positions: torch.Tenso
     dst = torch.where(flat & (index < t.rows), index, t.rows)
     t.cap_dst[:, :n].copy_(dst.view(num_sites, n))
     t.count.copy_(flat.sum().reshape(1))
-    sites = _token_rows(num_sites, torch.long, slot.device).repeat_interleave(n)
+    sites = _arange(num_sites, torch.long, slot.device).repeat_interleave(n)
     labels = torch.stack((slot.repeat(num_sites), sites, pos.repeat(num_sites)), dim=1)
     t.meta[:, 0].fill_(-1)
     t.meta.index_copy_(0, dst, labels)
