@@ -10,7 +10,9 @@
       Rewrites patches/NNNN-<slug>.patch and patches/series from the commits after 'stock':
       header = commit message, body = the commit's diff with 3 lines of context.
 
-Headers must carry DEP-3 fields Description, Why and Applies-to; export refuses otherwise.
+Headers are DEP-3: Description (a first line of at most 80 characters, the why in its
+continuation lines), Author, Origin, Forwarded, Last-Update, plus our Applies-to; export
+refuses a header that lacks any, and a series of more than 8 patches.
 """
 import argparse
 import re
@@ -18,9 +20,6 @@ import sys
 from pathlib import Path
 
 import wheelkit as wk
-
-REQUIRED = ("Description", "Why", "Applies-to")
-
 
 def checkout(directory: Path, flavor: str) -> int:
     if directory.exists() and any(directory.iterdir()):
@@ -45,18 +44,22 @@ def slug(description: str, limit: int = 48) -> str:
 
 def export(directory: Path) -> int:
     shas = wk._git(directory, "rev-list", "--reverse", "stock..HEAD").split()
+    if len(shas) > wk.MAX_PATCHES:
+        raise wk.BuildError(f"{len(shas)} patch commits: the series holds at most "
+                            f"{wk.MAX_PATCHES} (fold fixes into the patch they fix)")
     for old in wk.PATCHES.glob("[0-9][0-9][0-9][0-9]-*.patch"):
         old.unlink()
     names = []
     for n, sha in enumerate(shas, start=1):
         header = wk._git(directory, "log", "-1", "--format=%B", sha).strip()
-        fields = dict(re.findall(r"(?m)^([A-Za-z-]+): (.*)$", header))
-        missing = [f for f in REQUIRED if f not in fields]
-        if missing:
-            raise wk.BuildError(f"commit {sha[:10]} lacks DEP-3 field(s) {missing}:\n{header}")
+        problems = wk.dep3_problems(header)
+        if problems:
+            raise wk.BuildError(f"commit {sha[:10]}'s DEP-3 header: {'; '.join(problems)}:"
+                                f"\n{header}")
+        fields = wk.dep3_fields(header)
         diff = wk._git(directory, "diff", "--no-color", "--no-renames", "--full-index",
                        "-U3", f"{sha}^", sha)
-        name = f"{n:04d}-{slug(fields['Description'])}.patch"
+        name = f"{n:04d}-{slug(fields['Description'].split(chr(10))[0])}.patch"
         (wk.PATCHES / name).write_text(f"{header}\n---\n{diff}\n")
         names.append(name)
     (wk.PATCHES / "series").write_text("".join(f"{n}\n" for n in names))

@@ -99,6 +99,44 @@ def read_series(patches_dir: Path = PATCHES) -> list[Patch]:
     return patches
 
 
+# DEP-3 (https://dep-team.pages.debian.net/deps/dep3/): the fields every patch header
+# carries. Applies-to is ours, kept as an extra field.
+DEP3_REQUIRED = ("Description", "Author", "Origin", "Forwarded", "Last-Update")
+MAX_PATCHES = 8
+
+
+def dep3_fields(header: str) -> dict[str, str]:
+    """Field -> value of a DEP-3 header; continuation lines (leading space) join the
+    field above them with newlines, as in Debian control files."""
+    fields: dict[str, str] = {}
+    last = None
+    for line in header.splitlines():
+        if line.startswith((" ", "\t")) and last:
+            fields[last] += "\n" + line.strip()
+            continue
+        m = re.match(r"^([A-Za-z][A-Za-z-]*):\s?(.*)$", line)
+        if m:
+            last = m.group(1)
+            fields[last] = m.group(2).strip()
+    return fields
+
+
+def dep3_problems(header: str) -> list[str]:
+    """What the header lacks: required fields, a short Description line (at most 80
+    characters) with the why in its continuation lines, an ISO Last-Update."""
+    fields = dep3_fields(header)
+    problems = [f"no {f} field" for f in DEP3_REQUIRED if not fields.get(f)]
+    summary, _, why = fields.get("Description", "").partition("\n")
+    if len(summary) > 80:
+        problems.append(f"the Description line has {len(summary)} characters (at most 80)")
+    if not why.strip():
+        problems.append("Description has no continuation lines saying why")
+    if fields.get("Last-Update") and not re.fullmatch(r"\d{4}-\d{2}-\d{2}",
+                                                      fields["Last-Update"]):
+        problems.append(f"Last-Update {fields['Last-Update']!r} is not YYYY-MM-DD")
+    return problems
+
+
 def series_hash(patches: list[Patch]) -> str:
     """Hash of the series in order: names and contents both count."""
     h = hashlib.sha256()

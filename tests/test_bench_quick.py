@@ -7,16 +7,21 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_tpot.py"
+ROOT = Path(__file__).resolve().parents[1]
+OPS = ROOT / "overlay" / "graphtap" / "ops"
+
+
+def bench(module: str, *args, env=None, timeout=900):
+    """`python -m benchmarks.gpu.<module> ARGS` from the repository root."""
+    return subprocess.run([sys.executable, "-m", f"benchmarks.gpu.{module}", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 @pytest.mark.parametrize("variant", ["stock", "graphtap"])
 def test_bench_tpot_quick(variant, tmp_path, llama_path):
     modes = (["--modes", "idle,steer,hs,qk,mixed", "--burst-modes", "dump"]
              if variant == "graphtap" else [])
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--variant", variant,
-                          "--out", str(tmp_path), *modes],
-                         capture_output=True, text=True, timeout=900)
+    res = bench("bench_tpot", "--quick", "--variant", variant, "--out", tmp_path, *modes)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / f"tpot-tiny-{variant}-quick.json").read_text())
     modes = {r["mode"] for r in data["runs"]}
@@ -43,8 +48,7 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
         overhead = data["summary_overhead_vs_idle_pct"]
         assert set(overhead) == {"steer", "hs", "qk", "mixed", "dump"}
         assert set(overhead["dump"]) == {"burst3"} and set(overhead["hs"]) == {"8", "burst3"}
-        sys.path.insert(0, str(SCRIPT.parent))
-        from capture_report import merged, render, table
+        from benchmarks.gpu.capture_report import merged, render, table
 
         md = table([tmp_path / "tpot-tiny-graphtap-quick.json"])
         assert "| idle TPOT |" in md and "| hs |" in md and "| dump | – |" in md, md
@@ -55,8 +59,7 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
 
 def test_paired_overheads():
     """Per-request ratios vs idle in the same repetition, per rep and pooled."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    from tpot_stats import paired_overheads
+    from benchmarks.gpu.tpot_stats import paired_overheads
 
     runs = [{"mode": "idle", "rate": 8.0, "rep": 0, "tpot_ms_by_request": [5.0, 10.0, None]},
             {"mode": "hs", "rate": 8.0, "rep": 0, "tpot_ms_by_request": [5.1, 10.2, 7.0]},
@@ -78,8 +81,7 @@ def test_paired_overheads():
 
 def test_bootstrap_ci_resamples_repetitions():
     """One repetition gives no interval; repetitions that disagree give a wide one."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    from tpot_stats import bootstrap_ci
+    from benchmarks.gpu.tpot_stats import bootstrap_ci
 
     assert bootstrap_ci([[1.01, 1.02, 1.03]]) == [2.0, 2.0]
     lo, hi = bootstrap_ci([[1.0] * 50, [1.10] * 50, [1.0] * 50, [1.10] * 50])
@@ -91,16 +93,14 @@ def test_report_merges_results(tmp_path):
         (tmp_path / f"tpot-llama3-8b-{variant}.json").write_text(json.dumps({
             "model": "llama3-8b", "variant": variant, "input_len": 256, "output_len": 128,
             "gpu": "H200", "summary_tpot_ms": {m: {"1": v} for m, v in modes.items()}}))
-    res = subprocess.run([sys.executable, str(SCRIPT), "--report", "--out", str(tmp_path)],
-                         capture_output=True, text=True)
+    res = bench("bench_tpot", "--report", "--out", tmp_path)
     assert res.returncode == 0, res.stderr
     md = (tmp_path / "tpot.md").read_text()
     assert "graphtap steer" in md and "+1.00 %" in md and "+0.20 %" in md
 
 
 def test_capture_report_verdict_says_when_the_noise_hides_a_target():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from capture_report import verdict
+    from benchmarks.gpu.capture_report import verdict
 
     cell = lambda pooled: {"reps": [pooled], "pooled": pooled}  # noqa: E731
     met = {"hs": {"8": cell(0.4), "burst64": cell(2.4)}, "qk": {"16": cell(3.6)}}
@@ -115,8 +115,7 @@ def test_capture_report_verdict_says_when_the_noise_hides_a_target():
 def test_profile_traces_keep_each_mode(tmp_path):
     """One trace per profiled mode: a model name with a dot ("qwen2-1.5b") once made
     every mode's trace overwrite the same file."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    from profile_capture import write_trace
+    from benchmarks.gpu.profile_capture import write_trace
 
     class Prof:
         def __init__(self, mode):
@@ -134,12 +133,10 @@ def test_profile_traces_keep_each_mode(tmp_path):
 def test_profile_capture_cpu(tmp_path):
     """profile_capture.py's CPU run (tiny model): rows come back, graphtap's ranges are
     seen every step, the added work is computed against idle, one trace per mode asked."""
-    script = SCRIPT.parent / "profile_capture.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --cpu sets it
-    res = subprocess.run([sys.executable, str(script), "--cpu", "--requests", "2", "--modes",
-                          "idle,hs,qk,idle", "--trace", "idle,qk", "--cprofile"],
-                         capture_output=True, text=True, timeout=600,
-                         env={**env, "OUT": str(tmp_path)})
+    res = bench("profile_capture", "--cpu", "--requests", "2", "--modes", "idle,hs,qk,idle",
+                "--trace", "idle,qk", "--cprofile", env={**env, "OUT": str(tmp_path)},
+                timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     modes = json.loads((tmp_path / "profile-capture.json").read_text())["modes"]
     assert [m["mode"] for m in modes] == ["idle", "hs", "qk", "idle"]
@@ -160,8 +157,7 @@ def test_profile_capture_cpu(tmp_path):
 
 
 def test_added_work_is_over_the_idle_runs():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from profile_capture import added_work
+    from benchmarks.gpu.profile_capture import added_work
 
     mode = lambda name, host, dev, step: {  # noqa: E731
         "mode": name, "graphtap_host_ms_per_step": {"graphtap.prepare_step": host},
@@ -178,9 +174,7 @@ def test_bench_twin_quick(tmp_path):
     """bench_twin.py on CPU: two engines, each mode beside an idle run with the same
     arrivals, rows complete, paired per `pair` on both clocks; dump at the burst only
     (no speed claims)."""
-    res = subprocess.run([sys.executable, str(SCRIPT.parent / "bench_twin.py"), "--quick",
-                          "--burst-modes", "dump", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)
+    res = bench("bench_twin", "--quick", "--burst-modes", "dump", "--out", tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / "twin-tiny-quick.json").read_text())
     runs = data["runs"]
@@ -201,8 +195,7 @@ def test_bench_twin_quick(tmp_path):
 
 
 def test_twin_runs_pair_with_the_idle_run_beside_them():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from tpot_stats import paired_overheads
+    from benchmarks.gpu.tpot_stats import paired_overheads
 
     run = lambda mode, pair, t: {"mode": mode, "pair": pair, "rate": 4.0, "rep": 0,  # noqa: E731
                                  "tpot_ms_by_request": t}
@@ -217,10 +210,24 @@ def test_profile_counts_every_graphtap_kernel():
     defined in ops/*_triton.py must be in its list, or its time would go uncounted."""
     import re
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    from profile_capture import GRAPHTAP_KERNELS
+    from benchmarks.gpu.profile_capture import GRAPHTAP_KERNELS
 
-    ops = SCRIPT.parents[2] / "overlay" / "graphtap" / "ops"
-    defined = {name for f in ops.glob("*_triton.py")
+    defined = {name for f in OPS.glob("*_triton.py")
                for name in re.findall(r"^def (_\w+_kernel)\(", f.read_text(), re.M)}
     assert defined and defined == set(GRAPHTAP_KERNELS)
+
+
+def test_results_readme_is_generated_from_the_result_files():
+    """benchmarks/results/README.md is what `python -m benchmarks.results_readme` writes
+    from the files manifest.json lists, and every listed file exists."""
+    import json
+
+    results = ROOT / "benchmarks" / "results"
+    manifest = json.loads((results / "manifest.json").read_text())
+    listed = {f for g in manifest["groups"] for f in g["files"]}
+    assert all((results / f).exists() for f in listed)
+    kept = {p.name for p in results.glob("*.json")} - {"manifest.json"}
+    assert kept == listed, kept ^ listed  # superseded files leave the tree
+    res = subprocess.run([sys.executable, "-m", "benchmarks.results_readme", "--check"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr

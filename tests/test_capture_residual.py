@@ -8,7 +8,7 @@ import torch
 
 from graphtap.testing.engines import _hf_model, make_llm, shutdown, tokenize
 from graphtap.testing.hf_reference import hf_attention_pattern, hf_capture
-from steer_parity import vector
+from helpers import vector
 
 SITES = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_mid", "blocks.3.hook_resid_post"]
 LONG = ("Interpretability engineers read the residual stream of a transformer. " * 6).strip()

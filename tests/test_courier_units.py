@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from graphtap.courier import CaptureStep, RowFormat, StepRows
+from graphtap.courier.chunks import OverflowKind
 from graphtap.frontend import GraphtapFrontend
 from graphtap.outputs import HookOutputs
 from graphtap.spec import ModelShape
@@ -10,6 +12,12 @@ SHAPE = ModelShape(num_layers=4, hidden_size=8, max_model_len=64,
                    configured_sites={"blocks.1.hook_resid_post"}, max_steers=2, max_vectors=4,
                    max_captures=2, num_heads=2, num_kv_heads=2, save_root=None)
 SITE = "blocks.1.hook_resid_post"
+
+
+def step(rows, labels, count, slot_to_req, formats, names, capacity=100):
+    """A capture step as the capture family hands it to the courier."""
+    return CaptureStep(StepRows(rows, labels, torch.tensor([count]), slot_to_req, formats,
+                                names, capacity, OverflowKind.CAPTURE_ROWS))
 
 
 def finished(rows, pos):
@@ -69,25 +77,25 @@ GROUPED = [(s, 0, p) for s in (2, 7, 0, 1) for p in range(3)] + \
 
 @pytest.mark.parametrize("labels", [SPLIT, GROUPED], ids=["split", "grouped"])
 def test_step_split_per_request_matches_a_row_by_row_reference(labels):
-    """CaptureSnapshot.per_request against a row-by-row reference: residual rows (full
+    """CaptureStep.per_request against a row-by-row reference: residual rows (full
     width), k rows of chosen heads (narrower site), v rows of every head, a float32
     request beside model-dtype ones, rows in the buffer as the device leaves them. No
     result may view the step's buffer (it would pin it)."""
     import numpy as np
 
-    from graphtap.courier import CaptureSnapshot, _grouped_in_order
+    from graphtap.courier.snapshot import grouped_in_order
 
     width, hd = 16, 2  # buffer row width; attention sites: 4 heads x 2 = 8 columns
     names = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v"}
     formats = {}  # as the scheduler keeps them (chosen heads a tuple)
     for slot, dtype in ((0, torch.bfloat16), (1, torch.float32), (2, torch.bfloat16)):
-        formats[(slot, 0)] = (dtype, width, None, 0)
-        formats[(slot, 1)] = (dtype, 8, ((3, 1), (1, 2, 3), (0,))[slot], hd)  # runs, gaps
-        formats[(slot, 2)] = (dtype, 8, None, hd)
-    assert _grouped_in_order(np.array(labels), (0, 1, 2)) == (labels is GROUPED)
+        formats[(slot, 0)] = RowFormat(dtype, width, None, 0)
+        formats[(slot, 1)] = RowFormat(dtype, 8, ((3, 1), (1, 2, 3), (0,))[slot], hd)  # gaps
+        formats[(slot, 2)] = RowFormat(dtype, 8, None, hd)
+    assert grouped_in_order(np.array(labels), (0, 1, 2)) == (labels is GROUPED)
     rows = torch.randn(len(labels) + 3, width).to(torch.bfloat16)  # + unused rows
-    snap = CaptureSnapshot(rows, torch.tensor(labels + [(9, 9, 9)] * 3), torch.tensor([len(labels)]),
-                           {0: "a", 1: "b", 2: "c", 9: "gone"}, formats, names, 100)
+    snap = step(rows, torch.tensor(labels + [(9, 9, 9)] * 3), len(labels),
+                {0: "a", 1: "b", 2: "c", 9: "gone"}, formats, names)
     out = snap.per_request()
     assert set(out) == {"a", "b", "c"}
     for req, slot in (("a", 0), ("b", 1), ("c", 2)):
@@ -113,20 +121,21 @@ def test_a_step_copies_home_only_the_columns_its_formats_read():
     """Rows hold every head of a site in order and span the widest configured site; a
     step whose requests read heads 0-1 of k (and head 0 of v) clones and copies home
     only those columns, and splits them as it would the whole rows."""
-    from graphtap.courier import CaptureSnapshot, columns
+    from graphtap.courier import columns
 
     width, hd = 16, 2
-    fmts = {(0, 0): (torch.float32, 8, (1, 0), hd), (0, 1): (torch.float32, 8, (0,), hd),
-            (1, 0): (torch.float32, 8, (1,), hd)}
+    fmts = {(0, 0): RowFormat(torch.float32, 8, (1, 0), hd),
+            (0, 1): RowFormat(torch.float32, 8, (0,), hd),
+            (1, 0): RowFormat(torch.float32, 8, (1,), hd)}
     assert [columns(f) for f in fmts.values()] == [4, 2, 4]
-    assert columns((torch.float32, width, None, 0)) == width
+    assert columns(RowFormat(torch.float32, width, None, 0)) == width
     labels = [(0, 0, 0), (0, 0, 1), (1, 0, 3), (0, 1, 0), (0, 1, 1)]
     rows = torch.randn(len(labels), width)
     names = {0: "blocks.0.attn.hook_k", 1: "blocks.0.attn.hook_v"}
 
     def split(r):
-        return CaptureSnapshot(r, torch.tensor(labels), torch.tensor([len(labels)]),
-                               {0: "a", 1: "b"}, fmts, names, 100).per_request()
+        return step(r, torch.tensor(labels), len(labels), {0: "a", 1: "b"}, fmts,
+                    names).per_request()
 
     whole = split(rows)
     assert torch.equal(whole["a"][names[0]], rows[:2, :4].reshape(2, 2, hd)[:, [1, 0]])
@@ -139,7 +148,7 @@ def test_a_step_copies_home_only_the_columns_its_formats_read():
 
 
 def test_head_runs_copy_adjacent_heads_as_slices_in_the_order_asked():
-    from graphtap.courier import _head_runs
+    from graphtap.courier.rows import _head_runs
 
     assert _head_runs((0, 1, 2, 3)) == ((0, 0, 4),)
     assert _head_runs((5, 2, 3)) == ((0, 5, 1), (1, 2, 2))
@@ -153,43 +162,44 @@ def test_every_split_result_serialises_like_vllm_sends_it():
     1-element positions column with numpy's stride of 3."""
     from vllm.v1.utils import tensor_data
 
-    from graphtap.courier import CaptureSnapshot
-
     for n in (1, 2, 5):
         labels = torch.tensor([(0, 0, p) for p in range(n)])
-        snap = CaptureSnapshot(torch.randn(n, 8), labels, torch.tensor([n]), {0: "a"},
-                               {(0, 0): (torch.float32, 8, None, 0)}, {0: "s"}, 100)
+        snap = step(torch.randn(n, 8), labels, n, {0: "a"},
+                    {(0, 0): RowFormat(torch.float32, 8, None, 0)}, {0: "s"})
         out = snap.per_request()["a"]
         for t in out.values():
             assert len(tensor_data(t)) == t.numel() * t.element_size()
         assert out["s@positions"].tolist() == list(range(n))
 
 
-def test_grouped_in_order_against_brute_force():
-    """The no-sort check says yes exactly when every (slot, site) group is one run with
-    non-decreasing positions."""
+@pytest.mark.parametrize("columns", [3, 4], ids=["captures", "patterns"])
+def test_grouped_in_order_against_brute_force(columns):
+    """The no-sort check says yes exactly when every (slot, site) group is one run,
+    sorted inside by the remaining columns (position; position then head)."""
     import numpy as np
 
-    from graphtap.courier import _grouped_in_order
+    from graphtap.courier.snapshot import grouped_in_order
 
     rng = np.random.default_rng(1)
+    order = tuple(range(columns))
     for _ in range(500):
         n = int(rng.integers(0, 12))
-        labels = np.stack([rng.integers(0, 3, n), rng.integers(0, 2, n),
-                           rng.integers(0, 5, n)], axis=1) if n else np.zeros((0, 3), int)
+        labels = np.stack([rng.integers(0, 3, n), rng.integers(0, 2, n)] +
+                          [rng.integers(0, 4, n) for _ in range(columns - 2)], axis=1) \
+            if n else np.zeros((0, columns), int)
         if rng.random() < 0.5:  # often a device-like layout: sorted, groups permuted
-            labels = labels[np.lexsort((labels[:, 2], labels[:, 1], labels[:, 0]))]
+            labels = labels[np.lexsort(tuple(labels[:, c] for c in reversed(order)))]
             keys = sorted({tuple(r[:2]) for r in labels.tolist()})
             rng.shuffle(keys)
             labels = np.array([r for k in keys for r in labels.tolist() if tuple(r[:2]) == k]
-                              ).reshape(-1, 3)
+                              ).reshape(-1, columns)
         seen, ok, prev = set(), True, None
         for r in labels.tolist():
             key = tuple(r[:2])
             if key != (prev[:2] if prev else None):
                 ok &= key not in seen
                 seen.add(key)
-            elif r[2] < prev[2]:
+            elif tuple(r[2:]) < tuple(prev[2:]):
                 ok = False
             prev = tuple(r)
-        assert _grouped_in_order(labels, (0, 1, 2)) == ok, labels
+        assert grouped_in_order(labels, order) == ok, labels

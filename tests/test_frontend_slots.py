@@ -1,5 +1,6 @@
-"""The hook frontend is per engine (patch 0011): two engines in one process, one hooked and
-one not, each admit, release and finish their own requests with their own frontend."""
+"""The hook frontend is per engine (patch 0004): two engines in one process, one hooked and
+one not, each admit, release and finish their own requests with their own frontend; the
+chunks reach it as the steps sent them (patch 0005)."""
 import torch
 
 from vllm import SamplingParams
@@ -35,10 +36,10 @@ def run(proc: OutputProcessor, rid: str):
     proc.add_request(request(rid), None)
     chunk = lambda v: {"rows": torch.full((1, 2), v)}  # noqa: E731
     proc.process_outputs([EngineCoreOutput(request_id=rid, new_token_ids=[7],
-                                           hook_outputs=chunk(1.0))])
+                                           hook_outputs=[chunk(1.0)])])
     done = proc.process_outputs([EngineCoreOutput(
         request_id=rid, new_token_ids=[8], finish_reason=FinishReason.LENGTH,
-        hook_outputs=chunk(2.0))])
+        hook_outputs=[chunk(2.0), chunk(3.0)])])
     return done.request_outputs[0]
 
 
@@ -49,9 +50,10 @@ def test_each_engine_finishes_its_requests_with_its_own_frontend():
     out_b = run(b, "plain")  # created after the hooked one: once took over its frontend
     out_a = run(a, "hooked")
     assert hooked.calls == [("admit", "hooked"), ("finish", "hooked"), ("release", "hooked")]
-    assert torch.equal(out_a.hooks["rows"], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
-    # the plain engine's no-op frontend merges chunks as they came (nothing asked for them)
-    assert torch.equal(out_b.hooks["rows"], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    assert torch.equal(out_a.hooks["rows"], torch.tensor([[1.0] * 2, [2.0] * 2, [3.0] * 2]))
+    # the plain engine's no-op frontend returns the chunks as they came (nothing asked
+    # for them: an engine without a hook manager never gets any)
+    assert [c["rows"][0, 0].item() for c in out_b.hooks] == [1.0, 2.0, 3.0]
     # an abort goes to the request's own engine's frontend too
     a.add_request(request("gone"), None)
     a.abort_requests(["gone"], internal=True)

@@ -1,16 +1,20 @@
 """Attention patterns without an engine: the op on a paged cache (torch reference, Triton
 kernel in Triton's interpreter, a dense softmax), both cache layouts, GQA, and the
-scheduler's device-side routing and per-request snapshot."""
+pattern family's device-side routing and per-request step split."""
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from graphtap.ops.pattern import KeyCache, key_cache_view, pattern_reference
-from graphtap.pattern_scheduler import PatternScheduler, unpack_patterns
-from graphtap.sites import Site, SiteTable
-from graphtap.tables import PatternTables
+from graphtap.courier.patterns import unpack_patterns
+from graphtap.engine.families.pattern import PatternFamily
+from graphtap.ops.backend import TORCH
+from graphtap.ops.pattern import key_cache_view, pattern_reference
+from graphtap.ops.tables import KeyCache, Label
+from graphtap.spec import NormalisedSpec, PatternEntry, Span
+from graphtap.spec.sites import Site, SiteTable
+from helpers import engine_tables
 
 HQ, HKV, D, BS, NB, L, P = 4, 2, 64, 32, 12, 160, 40
 
@@ -36,9 +40,17 @@ def dense_keys(keys, table, brow, n):
 
 
 def route_rows(t, rows):
-    t.route[:, 0] = -1
-    for i, r in enumerate(rows):
-        t.route[i] = torch.tensor(r)
+    """Label buffer rows by hand: (site, token, head, batch row, position, slot) each."""
+    t.labels[:, Label.SITE] = -1
+    for i, (site, tok, head, brow, pos, slot) in enumerate(rows):
+        for col, v in ((Label.SITE, site), (Label.TOKEN, tok), (Label.HEAD, head),
+                       (Label.BATCH_ROW, brow), (Label.POSITION, pos), (Label.SLOT, slot)):
+            t.labels[i, col] = v
+
+
+def pattern_tables():
+    return engine_tables(max_reqs=3, max_captures=2, num_heads=HQ, pattern_rows=P,
+                         max_len=L).ops.pattern
 
 
 @pytest.mark.parametrize("backend", ["CPU_ATTN:vec", "FLASH_ATTN"])
@@ -46,8 +58,7 @@ def test_reference_and_triton_match_dense_softmax(backend):
     from graphtap.ops.pattern_triton import pattern_triton  # Triton's interpreter here
 
     keys, table = paged(backend)
-    t = PatternTables.allocate(max_reqs=3, max_captures=2, num_heads=HQ, rows=P, max_len=L,
-                               device="cpu")
+    t = pattern_tables()
     q = torch.randn(10, HQ, D, generator=torch.Generator().manual_seed(3))
     kc = KeyCache(keys, table, 0.125, HQ // HKV)
     # site, token, head, batch row, position, slot; site 2 rows belong to another op call
@@ -83,71 +94,88 @@ def test_unknown_backend_is_refused_by_name():
         key_cache_view(torch.zeros(2, 2, 32, 128), "XFORMERS", 64)
 
 
-def scheduler():
+def family():
     sites = SiteTable([Site(0, "resid_pre"), Site(1, "attn_pattern"), Site(2, "attn_pattern")])
-    t = PatternTables.allocate(max_reqs=3, max_captures=2, num_heads=HQ, rows=P, max_len=L,
-                               device="cpu")
-    return PatternScheduler(t, sites, L, torch.float32, torch.device("cpu")), t
+    et = engine_tables(max_reqs=3, max_captures=2, num_heads=HQ, pattern_rows=P, max_len=L,
+                       num_sites=len(sites), max_tokens=32)
+    f = PatternFamily(et.ops.pattern, et.pattern, et.slots, key_caches={}, backend=TORCH,
+                      sites=sites, max_len=L, model_dtype=torch.float32)
+    return f, et
+
+
+def spec(*entries):
+    return NormalisedSpec(pattern=tuple(entries))
+
+
+def entry(layer, heads=tuple(range(HQ)), positions="all", dtype="float32"):
+    return PatternEntry(layer, f"blocks.{layer}.attn.hook_pattern", dtype, tuple(heads),
+                        positions)
+
+
+def router(slots, rows):
+    return SimpleNamespace(tok_slot=slots, tok_row=rows)
 
 
 def test_routing_labels_every_row_and_snapshot_splits_per_request():
-    s, t = scheduler()
-    cap = lambda layer, heads=None, positions="all": {  # noqa: E731
-        "layer": layer, "kind": "attn_pattern", "name": f"blocks.{layer}.attn.hook_pattern",
-        "heads": heads, "positions": positions, "dtype": "float32"}
-    s.add_request(0, "a", 5, {"capture": [cap(1, [1, 3])]})
-    s.add_request(2, "b", 3, {"capture": [cap(2, None, "last_prompt"), cap(1, [0])]})
-    s.add_request(1, "c", 4, None)
+    f, et = family()
+    t = et.ops.pattern
+    f.add_request(0, "a", 5, spec(entry(1, [1, 3])))
+    f.add_request(2, "b", 3, spec(entry(2, positions="last_prompt"), entry(1, [0])))
+    f.add_request(1, "c", 4, spec())
+    et.slots.apply()
     # Batch: a prefill of 5 (slot 0), c decode (slot 1), b prefill of 3 (slot 2), padding.
     slots = torch.tensor([0] * 5 + [1] + [2] * 3 + [3, 3])
     rows = torch.tensor([0] * 5 + [1] + [2] * 3 + [0, 0])
     batch = SimpleNamespace(req_ids=["a", "c", "b"], num_tokens_after_padding=11,
                             positions=torch.tensor([0, 1, 2, 3, 4, 9, 0, 1, 2, 0, 0]),
                             num_scheduled_tokens=np.array([5, 1, 3]))
-    s.prepare_step(batch, slots, rows, False)
+    plan = f.plan(batch)
+    f.route(batch, router(slots, rows), plan)
     assert int(t.count[0]) == 5 * 2 + 1 * 4 + 3 * 1
     # Fill each routed row with a recognisable value: token*100 + head, over its keys.
     for i in range(int(t.count[0])):
-        site, tok, head, _, pos, _ = t.route[i].tolist()
+        tok, head, pos = (int(t.labels[i, c]) for c in (Label.TOKEN, Label.HEAD, Label.POSITION))
         t.buf[i, : pos + 1] = tok * 100 + head
-    snap = s.collect(False)
+    snap = f.snapshot()
     snap.to_cpu_nonblocking()
     out = snap.per_request()
-    for tensors in out.values():
-        for name in [n for n in tensors if not n.endswith("@positions")]:
-            tensors[name] = unpack_patterns(tensors[name], tensors[f"{name}@positions"])
+    unpacked = {req: {k[:-len("@ragged")]: unpack_patterns(v, tensors[
+        k.replace("@ragged", "@positions")]) for k, v in tensors.items() if k.endswith("@ragged")}
+        for req, tensors in out.items()}
     assert set(out) == {"a", "b"}
-    a = out["a"]["blocks.1.attn.hook_pattern"]
+    a = unpacked["a"]["blocks.1.attn.hook_pattern"]
     assert a.shape == (5, 2, 5) and out["a"]["blocks.1.attn.hook_pattern@positions"].tolist() \
         == [0, 1, 2, 3, 4]
     assert a[3, 1, :4].tolist() == [303.0] * 4 and a[3, 1, 4] == 0  # causal zeros
-    b2 = out["b"]["blocks.2.attn.hook_pattern"]
+    b2 = unpacked["b"]["blocks.2.attn.hook_pattern"]
     assert b2.shape == (1, HQ, 3) and b2[0, :, 0].tolist() == [800, 801, 802, 803]
-    b1 = out["b"]["blocks.1.attn.hook_pattern"]
+    b1 = unpacked["b"]["blocks.1.attn.hook_pattern"]
     assert b1.shape == (3, 1, 3) and b1[:, 0, 0].tolist() == [600, 700, 800]
-    # A step without pattern requests leaves every route row idle.
-    s.prepare_step(SimpleNamespace(req_ids=["c"]), slots, rows, False)
-    assert (t.route[:, 0] == -1).all() and s.collect(False) is None
+    # A step without pattern requests leaves every row idle.
+    assert not f.plan(SimpleNamespace(req_ids=["c"]))
+    f.deactivate()
+    assert (t.labels[:, Label.SITE] == -1).all() and f.snapshot() is None
 
 
 def test_overflow_is_reported_not_dropped():
-    s, t = scheduler()
-    s.add_request(0, "a", 30, {"capture": [{"layer": 1, "kind": "attn_pattern", "heads": None,
-                                            "name": "x", "positions": "all", "dtype": "model"}]})
+    from graphtap.courier import Overflow, OverflowKind
+
+    f, et = family()
+    f.add_request(0, "a", 30, spec(entry(1, dtype="model")))
+    et.slots.apply()
     batch = SimpleNamespace(req_ids=["a"], num_tokens_after_padding=30,
                             positions=torch.arange(30), num_scheduled_tokens=np.array([30]))
-    s.prepare_step(batch, torch.zeros(30, dtype=torch.long), torch.zeros(30, dtype=torch.long),
-                   False)
-    snap = s.collect(False)
-    flag = snap.per_request()["a"]["graphtap:overflow"].tolist()
-    assert flag == [30 * HQ, P, 1]
+    f.route(batch, router(torch.zeros(30, dtype=torch.long), torch.zeros(30, dtype=torch.long)),
+            f.plan(batch))
+    flag = f.snapshot().per_request()["a"]["graphtap:overflow"]
+    assert Overflow.from_tensor(flag) == Overflow(OverflowKind.PATTERN_ROWS, 30 * HQ, P)
 
 
 def test_steps_that_capture_nothing_route_nothing():
     """Host-side skip: a request wanting only its last prompt position costs no device
     work while it decodes; a chunk that holds the position, or no host view, routes. The
     row bound counts wanted positions in the step's window, per rule and entry."""
-    from graphtap.scheduler import Wants, positions_end, rows_in_step
+    from graphtap.engine.wanted import Wants, positions_end, rows_in_step
 
     probe, full = Wants(L), Wants(L)
     probe.add("last_prompt", 10, 3)  # e.g. three residual sites at the last prompt token
@@ -184,7 +212,7 @@ def test_steps_that_capture_nothing_route_nothing():
 
 def test_rows_in_step_prefilter_matches_the_loop():
     """Random batches: the prefiltered pass returns exactly what the per-row loop does."""
-    from graphtap.scheduler import Wants, rows_in_step
+    from graphtap.engine.wanted import Wants, rows_in_step
 
     rng = np.random.default_rng(0)
     rules = ["last_prompt", "prompt", "all", "generated", [3, 7], {"start": 2, "end": 9}]

@@ -1,54 +1,91 @@
-"""Capture routing: the Triton kernels (Triton's interpreter here) against the torch
-reference, which the CPU engine tests check end to end against HF."""
+"""Per-step routing: the Triton kernels (Triton's interpreter here) against the torch
+references, which the CPU engine tests check end to end against HF. One row router
+serves captures (one whole row per wanted token) and attention patterns (one row per
+wanted token and chosen head)."""
 import copy
 
 import pytest
 import torch
 
-from graphtap.tables import CaptureTables
+from graphtap.ops.tables import Label
+from helpers import engine_tables
+
+SLOTS, TOKENS, HEADS = 6, 96, 4
 
 
-def tables(seed: int, sites: int, rows: int, max_len: int = 100) -> CaptureTables:
+def tables(seed: int, sites: int, rows: int, heads: bool, max_len: int = 100):
+    """A row family's tables with random entries; slot SLOTS is the sentinel."""
     g = torch.Generator().manual_seed(seed)
-    t = CaptureTables.allocate(max_reqs=6, max_tokens=96, max_captures=3, num_sites=sites,
-                               rows=rows, hidden=4, max_len=max_len, device="cpu")
-    for slot in range(6):  # slot 6 is the sentinel: never given entries
+    et = engine_tables(max_reqs=SLOTS, max_tokens=TOKENS, max_captures=3, num_sites=sites,
+                       capture_rows=rows, pattern_rows=rows, capture_width=4,
+                       num_heads=HEADS, max_len=max_len)
+    t = et.ops.pattern if heads else et.ops.capture
+    for slot in range(SLOTS):
         chosen = torch.randperm(sites, generator=g)[:int(torch.randint(0, 4, (1,), generator=g))]
-        t.cap_site[slot, :len(chosen)] = chosen.to(torch.int32)
-        t.cap_pos[slot] = torch.randint(-2**31, 2**31 - 1, t.cap_pos[slot].shape, generator=g,
-                                        dtype=torch.int64).to(torch.int32)
+        t.entry_site[slot, :len(chosen)] = chosen.to(torch.int32)
+        t.entry_pos[slot] = torch.randint(-2**31, 2**31 - 1, t.entry_pos[slot].shape,
+                                          generator=g, dtype=torch.int64).to(torch.int32)
+        if heads:
+            t.entry_heads[slot] = torch.randint(0, 2, t.entry_heads[slot].shape, generator=g,
+                                                dtype=torch.int32)
     return t
 
 
+@pytest.mark.parametrize("heads", [False, True], ids=["captures", "patterns"])
 @pytest.mark.parametrize("n,rows", [(1, 500), (37, 500), (96, 500), (96, 20), (50, 0)],
                          ids=["one-token", "blocks", "full", "overflow", "no-room"])
-def test_triton_routing_matches_the_reference(n, rows):
-    from graphtap.ops.route import route_reference
-    from graphtap.ops.route_triton import route_triton
+def test_triton_routing_matches_the_reference(n, rows, heads):
+    from graphtap.ops.route import route_rows_reference
+    from graphtap.ops.route_triton import route_rows_triton
 
     for seed in range(3):
-        ref = tables(seed, sites=5, rows=rows)
+        ref = tables(seed, sites=5, rows=rows, heads=heads)
         tri = copy.deepcopy(ref)
         g = torch.Generator().manual_seed(100 + seed)
-        slot = torch.randint(0, 7, (n,), generator=g)  # 6 = sentinel (padding)
+        slot = torch.randint(0, SLOTS + 1, (n,), generator=g)  # SLOTS = sentinel (padding)
+        brow = torch.randint(0, 8, (n,), generator=g)
         positions = torch.randint(-3, 130, (n,), generator=g)  # clamped to [0, 100)
-        route_reference(ref, slot, positions, 100)
-        route_triton(tri, slot, positions.to(torch.int32), 100, block=16)
-        assert torch.equal(tri.cap_dst[:, :n], ref.cap_dst[:, :n]), seed
+        route_rows_reference(ref, slot, brow, positions, 100)
+        route_rows_triton(tri, slot, brow, positions.to(torch.int32), 100, block=16)
+        if not heads:
+            assert torch.equal(tri.dst[:, :n], ref.dst[:, :n]), seed
         assert tri.count.item() == ref.count.item()
         used = min(ref.count.item(), rows)
-        assert torch.equal(tri.meta[:used], ref.meta[:used]), seed
-        assert (tri.meta[used:rows, 0] == -1).all()
+        assert torch.equal(tri.labels[:used], ref.labels[:used]), seed
+        assert (tri.labels[used:, Label.SITE] == -1).all()
+        assert (ref.labels[used:, Label.SITE] == -1).all()
     assert ref.count.item() > 0  # the tables do route something
 
 
-def test_triton_routing_with_nothing_wanted_routes_every_row_to_the_trash():
-    from graphtap.ops.route_triton import route_triton
+def test_pattern_units_are_site_major_then_token_then_head():
+    from graphtap.ops.route import route_rows_reference
 
-    t = tables(0, sites=4, rows=50)
-    t.cap_dst.fill_(7)
-    route_triton(t, torch.full((40,), 6), torch.arange(40), 100, block=16)  # all sentinel
-    assert (t.cap_dst[:, :40] == 50).all() and t.count.item() == 0
+    t = tables(0, sites=2, rows=50, heads=True)
+    t.entry_site.fill_(-1)
+    t.entry_site[0, 0], t.entry_site[1, 0], t.entry_site[1, 1] = 1, 1, 0
+    t.entry_pos.fill_(-1)  # every position
+    t.entry_heads.zero_()
+    t.entry_heads[0, 0, [1, 3]] = 1
+    t.entry_heads[1, 0, 2] = 1
+    t.entry_heads[1, 1, [0, 1]] = 1
+    slot = torch.tensor([0, 0, 1, SLOTS])  # a: two tokens, b: one, then padding
+    route_rows_reference(t, slot, torch.tensor([0, 0, 1, 0]), torch.tensor([5, 6, 2, 0]), 100)
+    cols = [Label.SITE, Label.TOKEN, Label.HEAD, Label.SLOT, Label.POSITION, Label.BATCH_ROW]
+    got = t.labels[: int(t.count)][:, cols].tolist()
+    assert got == [[0, 2, 0, 1, 2, 1], [0, 2, 1, 1, 2, 1],  # site 0: b's heads 0, 1
+                   [1, 0, 1, 0, 5, 0], [1, 0, 3, 0, 5, 0],  # site 1: a's token 0
+                   [1, 1, 1, 0, 6, 0], [1, 1, 3, 0, 6, 0],  # a's token 1
+                   [1, 2, 2, 1, 2, 1]]                       # b's head 2
+
+
+def test_triton_routing_with_nothing_wanted_routes_every_row_to_the_trash():
+    from graphtap.ops.route_triton import route_rows_triton
+
+    t = tables(0, sites=4, rows=50, heads=False)
+    t.dst.fill_(7)
+    route_rows_triton(t, torch.full((40,), SLOTS), torch.zeros(40, dtype=torch.long),
+                      torch.arange(40), 100, block=16)  # all sentinel
+    assert (t.dst[:, :40] == 50).all() and t.count.item() == 0
 
 
 @pytest.mark.parametrize("n", [1, 17, 64, 90], ids=["one", "blocks", "exact", "padding"])
@@ -57,12 +94,11 @@ def test_triton_token_routing_matches_the_reference(n):
     padding rows past the last request's tokens to the sentinel."""
     from graphtap.ops.route import route_tokens_reference
     from graphtap.ops.route_triton import route_tokens_triton
-    from graphtap.tables import SteerTables
 
+    sentinel = 8
     for seed in range(4):
         g = torch.Generator().manual_seed(seed)
-        ref = SteerTables.allocate(max_reqs=8, max_tokens=96, max_steers=1, max_vectors=1,
-                                   hidden=4, max_len=64, dtype=torch.float32, device="cpu")
+        ref = (torch.full((96,), sentinel), torch.zeros(96, dtype=torch.long))
         tri = copy.deepcopy(ref)
         num_reqs = int(torch.randint(1, 9, (1,), generator=g))
         used = n if n != 90 else 70  # "padding": the last 20 rows belong to no request
@@ -72,17 +108,22 @@ def test_triton_token_routing_matches_the_reference(n):
         qsl = torch.cat([torch.tensor([0]), cuts, torch.tensor([used])]).to(torch.int32)
         qsl = torch.cat([qsl, torch.full((3,), used, dtype=torch.int32)])  # stale tail
         idx = torch.randperm(8, generator=g)[:num_reqs]
-        route_tokens_reference(ref, qsl, idx, n, num_reqs)
-        route_tokens_triton(tri, qsl, idx, n, num_reqs, block=16)
-        assert torch.equal(tri.tok_slot, ref.tok_slot), (seed, qsl, idx)
-        assert torch.equal(tri.tok_row, ref.tok_row), seed
-        assert (ref.tok_slot[used:n] == ref.sentinel).all()
+        route_tokens_reference(*ref, sentinel, qsl, idx, n, num_reqs)
+        route_tokens_triton(*tri, sentinel, qsl, idx, n, num_reqs, block=16)
+        assert torch.equal(tri[0], ref[0]), (seed, qsl, idx)
+        assert torch.equal(tri[1], ref[1]), seed
+        assert (ref[0][used:n] == sentinel).all()
 
 
-def test_torch_routing_switch(monkeypatch):
-    from graphtap.ops.route import torch_routing
+def test_backend_is_chosen_once_at_start(monkeypatch):
+    """The torch references on CPU; Triton kernels on a GPU, with the routing as torch ops
+    when GRAPHTAP_TORCH_ROUTING=1 (read when the backend is chosen, never per step)."""
+    from graphtap.ops import backend
+    from graphtap.ops.route import route_rows_reference
 
-    monkeypatch.delenv("GRAPHTAP_TORCH_ROUTING", raising=False)
-    assert not torch_routing()
+    assert backend.select_backend(torch.device("cpu")) is backend.TORCH
     monkeypatch.setenv("GRAPHTAP_TORCH_ROUTING", "1")
-    assert torch_routing()
+    gpu = backend.select_backend(torch.device("cuda"))
+    assert gpu.name == "triton+torch-routing" and gpu.route_rows is route_rows_reference
+    monkeypatch.delenv("GRAPHTAP_TORCH_ROUTING")
+    assert backend.select_backend(torch.device("cuda")).name == "triton"

@@ -1,19 +1,13 @@
 """`vllm serve --hook-manager graphtap`: steering over the OpenAI API (vllm_xargs), and
 the CLI flags themselves. One server for the module."""
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 
 import pytest
 
 from graphtap.testing.engines import _hf_model, tokenize
 from graphtap.testing.hf_reference import hf_generate
-from steer_parity import vector
+from helpers import post, vector, vllm_server
 
 HOOKS = {"steer": [{"site": "blocks.2.hook_resid_post", "op": "add", "scale": 6.0,
                     "vector": vector(256, 3)}]}
@@ -30,54 +24,13 @@ def test_cli_flags_reach_the_engine_config():
     assert ea.hook_manager == "graphtap" and ea.hook_config["max_vectors"] == 8
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url, body):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 @pytest.fixture(scope="module")
 def server(llama_path, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(llama_path),
-           "--host", "127.0.0.1", "--port", str(port), "--hook-manager", "graphtap",
-           "--hook-config", '{"sites": ["blocks.*.hook_resid_post"]}', "--enforce-eager",
-           "--dtype", "float32", "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
-           "--served-model-name", "m"]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail(f"server did not start:\n{log.read_text()[-4000:]}")
+    args = ["--hook-manager", "graphtap", "--hook-config", '{"sites": ["blocks.*.hook_resid_post"]}',
+            "--enforce-eager", "--dtype", "float32", "--gpu-memory-utilization", "0.3",
+            "--max-model-len", "512", "--served-model-name", "m"]
+    with vllm_server(llama_path, args, tmp_path_factory.mktemp("serve") / "server.log") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def completion(base, ids, hooks=None):

@@ -8,7 +8,7 @@ import pytest
 
 from graphtap.testing.engines import _hf_model, make_llm, shutdown, tokenize
 from graphtap.testing.hf_reference import hf_generate
-from steer_parity import assert_parity, vector
+from helpers import assert_parity, vector
 
 HIDDEN = 256
 MIX_PROMPTS = ["The quick brown fox", "Steering vectors shift the hidden state",

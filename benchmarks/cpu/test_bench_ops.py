@@ -1,4 +1,5 @@
-"""CPU micro-benchmarks of the graph ops and the per-step scheduler (pytest-benchmark).
+"""CPU micro-benchmarks of the graph ops, the per-step routing and the courier's split
+(pytest-benchmark).
 
 Targets live here, never in tests/: an idle site must cost next to nothing, and the
 per-step routing must stay well under a millisecond for a full decode batch.
@@ -10,41 +11,55 @@ import numpy as np
 import pytest
 import torch
 
-from graphtap.capture_scheduler import CaptureScheduler
+from graphtap.courier import CaptureStep, OverflowKind, RowFormat, StepRows, columns
+from graphtap.engine.families.capture import CaptureFamily
+from graphtap.engine.families.steer import SteerFamily
+from graphtap.engine.router import TokenRouter
+from graphtap.engine.tables import Sizes, allocate
+from graphtap.ops.backend import TORCH
 from graphtap.ops.capture import capture_reference
+from graphtap.ops.pattern import pattern_reference
 from graphtap.ops.steer import steer_reference
-from graphtap.scheduler import SteerScheduler, position_bitmap
-from graphtap.sites import SiteTable, expand_patterns
-from graphtap.tables import CaptureTables, SteerTables
+from graphtap.ops.tables import KeyCache, Label
+from graphtap.spec import CaptureEntry, NormalisedSpec, SteerEntry
+from graphtap.spec.positions import position_bitmap
+from graphtap.spec.sites import SiteTable, expand_patterns
 
 H, R, E, V, L = 1024, 64, 8, 64, 2048
 
 
+def tables(sites: int = 4, patterns: bool = False, heads: int = 32):
+    return allocate(Sizes(max_reqs=R, max_tokens=512, max_len=L, num_sites=sites, hidden=H,
+                          dtype=torch.float32, max_steers=E, max_vectors=V, max_captures=4,
+                          capture_rows=1024, capture_width=H, pattern_rows=256,
+                          num_heads=heads, patterns=patterns), TORCH, torch.device("cpu"))
+
+
 def steer_tables(active: bool):
-    t = SteerTables.allocate(max_reqs=R, max_tokens=512, max_steers=E, max_vectors=V, hidden=H,
-                             max_len=L, dtype=torch.float32, device="cpu")
+    et = tables()
+    t = et.ops.steer
     t.bank[1:] = torch.randn(V, H)
     t.inv_norm[1:] = 1 / t.bank[1:].norm(dim=1)
+    tok_slot = torch.full((512,), R)
     if active:
-        t.ent_site[:R, 0], t.ent_vec[:R, 0], t.ent_a[:R, 0] = 0, 1, 2.0
-        t.ent_pos[:R, 0] = torch.from_numpy(position_bitmap("all", 8, L, t.ent_pos.shape[2]))
-        t.tok_slot[:] = torch.arange(512) % R
-    return t
+        t.site[:R, 0], t.vec[:R, 0], t.coef[:R, 0, 0] = 0, 1, 2.0
+        t.pos[:R, 0] = torch.from_numpy(position_bitmap("all", 8, L, t.pos.shape[2]))
+        tok_slot[:] = torch.arange(512) % R
+    return t, tok_slot
 
 
 @pytest.mark.parametrize("tokens", [64, 512])
 @pytest.mark.parametrize("active", [False, True], ids=["idle", "steering"])
 def test_steer_op(benchmark, tokens, active):
-    t = steer_tables(active)
+    t, tok_slot = steer_tables(active)
     x, other, pos = torch.randn(tokens, H), torch.randn(tokens, H), torch.arange(tokens)
-    benchmark(steer_reference, t, x, other, pos, 0)
+    benchmark(steer_reference, t, tok_slot, x, other, pos, 0)
 
 
 @pytest.mark.parametrize("tokens", [64, 512])
 def test_capture_op(benchmark, tokens):
-    t = CaptureTables.allocate(max_reqs=R, max_tokens=512, max_captures=4, num_sites=4,
-                               rows=1024, hidden=H, max_len=L, device="cpu")
-    t.cap_dst[0, :tokens] = torch.arange(tokens)
+    t = tables().ops.capture
+    t.dst[0, :tokens] = torch.arange(tokens)
     x, other = torch.randn(tokens, H), torch.randn(tokens, H)
     benchmark(capture_reference, t, x, other, 0)
 
@@ -64,27 +79,29 @@ def test_scheduler_step(benchmark, num_reqs):
     """Routing plus capture rows for a decode batch where every request steers and
     captures one site (the layout changes each call, so nothing is skipped)."""
     sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 32))
-    t = steer_tables(False)
-    ct = CaptureTables.allocate(max_reqs=R, max_tokens=512, max_captures=4, num_sites=len(sites),
-                                rows=1024, hidden=H, max_len=L, device="cpu")
-    steer = SteerScheduler(t, sites, torch.device("cpu"))
-    cap = CaptureScheduler(ct, sites, L, torch.float32, torch.device("cpu"),
-                           {"resid_post": (H, 0)})
+    et = tables(sites=len(sites))
+    steer = SteerFamily(et, sites)
+    cap = CaptureFamily(et.ops.capture, et.capture, et.slots, widths={"resid_post": (H, 0)},
+                        backend=TORCH, sites=sites, max_len=L, model_dtype=torch.float32)
+    router = TokenRouter(et.ops)
     vec = np.ones(H, np.float32).tobytes()
-    hooks = {"steer": [{"layer": 3, "kind": "resid_post", "vector": vec, "key": "k", "a": 1.0,
-                        "lo": -np.inf, "hi": np.inf, "positions": "all"}],
-             "capture": [{"layer": 5, "kind": "resid_post", "name": "blocks.5.hook_resid_post",
-                          "dtype": "float32", "heads": None, "positions": "generated"}]}
+    spec = NormalisedSpec(
+        steer=(SteerEntry(3, "resid_post", vec, "k", 1.0, -np.inf, np.inf, "all"),),
+        capture=(CaptureEntry(5, "resid_post", "blocks.5.hook_resid_post", "float32", None,
+                              "generated"),))
     for i in range(num_reqs):
-        steer.add_request(i, f"r{i}", 8, hooks)
-        cap.add_request(i, f"r{i}", 8, hooks)
+        steer.add_request(i, f"r{i}", 8, spec)
+        cap.add_request(i, f"r{i}", 8, spec)
+    et.slots.apply()
+    steer.apply_staged_writes()
     b = batch(num_reqs, 1)
 
     def step():
-        steer._last_layout = None
-        steer.prepare_step(b, False, cap.holds)
-        cap.prepare_step(b, t.tok_slot, False)
-        return cap.collect(b, False)
+        router.invalidate()
+        plans = [steer.plan(b), cap.plan(b)]
+        router.route(b)
+        cap.route(b, router, plans[1])
+        return cap.snapshot()
 
     benchmark(step)
 
@@ -93,15 +110,14 @@ def test_scheduler_step(benchmark, num_reqs):
 def test_pattern_op(benchmark, context):
     """Attention patterns of 32 (query, head) rows over `context` keys, from a paged
     cache (torch reference; the GPU runs the Triton kernel)."""
-    from graphtap.ops.pattern import KeyCache, pattern_reference
-    from graphtap.tables import PatternTables
-
     heads, kv_heads, dim, bs = 32, 8, 128, 32
     blocks = context // bs * 4
-    t = PatternTables.allocate(max_reqs=R, max_captures=4, num_heads=heads, rows=256,
-                               max_len=L, device="cpu")
+    t = tables(patterns=True, heads=heads).ops.pattern
     for i in range(32):  # 4 requests x 8 heads, last position
-        t.route[i] = torch.tensor([0, i // 8, i % 8 * 4, i // 8, context - 1, i // 8])
+        for col, v in ((Label.SITE, 0), (Label.TOKEN, i // 8), (Label.HEAD, i % 8 * 4),
+                       (Label.BATCH_ROW, i // 8), (Label.POSITION, context - 1),
+                       (Label.SLOT, i // 8)):
+            t.labels[i, col] = v
     table = torch.arange(blocks, dtype=torch.int32).view(4, -1)
     kc = KeyCache(torch.randn(blocks, bs, kv_heads, dim), table, dim ** -0.5, heads // kv_heads)
     q = torch.randn(4, heads, dim)
@@ -113,9 +129,7 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
     bf16 buffer, Llama-3-8B width 4096). dump: residuals at 3 sites, every token; qk:
     q at the last token and k at every token, 4 layers, 4 of 8 kv heads (k rows use 512
     of the 4096 columns). The rows arrive narrowed to the columns the step's formats read,
-    as CaptureScheduler clones them (qk: heads 0-3 of q and k, 512 columns)."""
-    from graphtap.courier import CaptureSnapshot, columns
-
+    as the capture family clones them (qk: heads 0-3 of q and k, 512 columns)."""
     width, formats, names, labels = 4096, {}, {}, []
     sites = 3 if load == "dump" else 8
     for s in range(sites):
@@ -123,14 +137,14 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
         names[s] = f"blocks.{s}.attn.hook_{'kq'[s % 2 == 0]}" if load == "qk" else \
             f"blocks.{s}.hook_resid_post"
         for r in range(reqs):
-            formats[(r, s)] = (torch.bfloat16, width, None, 0) if load == "dump" else \
-                (torch.bfloat16, 1024 if k else width, (0, 1, 2, 3), 128)
+            formats[(r, s)] = RowFormat(torch.bfloat16, width, None, 0) if load == "dump" else \
+                RowFormat(torch.bfloat16, 1024 if k else width, (0, 1, 2, 3), 128)
             last = load == "qk" and not k
             labels += [(r, s, p) for p in range(rows_each) if not last or p == rows_each - 1]
     n, cols = len(labels), max(map(columns, formats.values()))
-    return CaptureSnapshot(torch.randn(n, cols).to(torch.bfloat16), torch.tensor(labels),
-                           torch.tensor([n]), {r: f"r{r}" for r in range(reqs)}, formats,
-                           names, 1 << 20)
+    return CaptureStep(StepRows(torch.randn(n, cols).to(torch.bfloat16), torch.tensor(labels),
+                                torch.tensor([n]), {r: f"r{r}" for r in range(reqs)}, formats,
+                                names, 1 << 20, OverflowKind.CAPTURE_ROWS))
 
 
 @pytest.mark.parametrize("reqs,rows_each,load", [(64, 1, "dump"), (16, 256, "dump"),
@@ -138,13 +152,8 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
                          ids=["decode64", "prefill16", "qk-prefill8"])
 def test_courier_split(benchmark, reqs, rows_each, load):
     """The host side of the courier for one step: rows split per request (the
-    capture-throughput bottleneck measured on the H200). qk-prefill8: a Llama-3-8B qk
-    prefill step of 8 x 256 tokens; copying whole 4096-wide rows for k rows that use
-    1024 made it 12 ms here (and +20 % TPOT at 64 requests at once on the H200); 1.5 ms
-    since, and 0.6 ms once adjacent chosen heads are copied as slices instead of gathered
-    (advanced indexing was the top host op of qk on the H200 host). Seventh session: 1.72
-    ms with whole rows vs 0.41 ms with the rows narrowed to the 512 columns the step's
-    formats read, back to back here (the scheduler clones only those since)."""
+    capture-throughput bottleneck measured on the H200; figures in
+    benchmarks/results/README.md)."""
     snap = step_snapshot(reqs, rows_each, load)
     out = benchmark(snap.per_request)
     name = snap.site_names[1]

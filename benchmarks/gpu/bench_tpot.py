@@ -24,8 +24,8 @@ GC heap is frozen, as `vllm serve` does; each run records the collector's pauses
 Results: JSON per launch, then `--report` merges them into a markdown table of overhead
 vs stock.
 
-  GPU:  bench_tpot.py --model llama3-8b --variant stock --out benchmarks/results
-  CPU:  bench_tpot.py --quick --variant graphtap   (tiny model, CI smoke; no speed claims)
+  GPU:  python -m benchmarks.gpu.bench_tpot --model llama3-8b --variant stock --out benchmarks/results
+  CPU:  python -m benchmarks.gpu.bench_tpot --quick --variant graphtap   (tiny model, CI smoke; no speed claims)
 """
 from __future__ import annotations
 
@@ -42,9 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tpot_stats import summarise  # noqa: E402
-from workloads import (ARCHS, count_rows, hook_config, mode_hooks, model_dir,  # noqa: E402
+from benchmarks.gpu.tpot_stats import summarise
+from benchmarks.gpu.workloads import (ARCHS, count_rows, hook_config, mode_hooks, model_dir,
                        steer_vector)
 
 REQUESTS_PER_RATE = {1: 12, 4: 24, 8: 32, 16: 48}

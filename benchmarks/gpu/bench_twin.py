@@ -17,9 +17,9 @@ run beside it (`pair`), per request, as bench_tpot.py pairs
 engines share one device, so absolute TPOT is not a solo figure; the overhead is a ratio
 under the same conditions.
 
-  GPU: bench_twin.py --model qwen2-1.5b --modes idle2,hs,qk --rates 4,16 --bursts 16,64
-  CPU: bench_twin.py --quick   (tiny model, CI smoke; no speed claims)
-  Table: capture_report.py [--engine] $OUT/twin-qwen2-1.5b.json
+  GPU: python -m benchmarks.gpu.bench_twin --model qwen2-1.5b --modes idle2,hs,qk --rates 4,16 --bursts 16,64
+  CPU: python -m benchmarks.gpu.bench_twin --quick   (tiny model, CI smoke; no speed claims)
+  Table: python -m benchmarks.gpu.capture_report [--engine] $OUT/twin-qwen2-1.5b.json
 """
 from __future__ import annotations
 
@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tpot import (engine_args, gpu_name, loads, parser, prepare, rotated,  # noqa: E402
+from benchmarks.gpu.bench_tpot import (engine_args, gpu_name, loads, parser, prepare, rotated,
                         run_rate, vllm_version, write_result)
-from workloads import mode_hooks, model_dir, steer_vector  # noqa: E402
+from benchmarks.gpu.workloads import mode_hooks, model_dir, steer_vector
 
 
 async def bench(args) -> dict:

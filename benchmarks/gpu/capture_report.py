@@ -13,7 +13,7 @@ recorded by bench_tpot.py since session 6's launches), leaving the client's dela
 With --ci each cell adds the pooled figure's 95 % interval, from a bootstrap that
 resamples whole repetitions (tpot_stats.bootstrap_ci).
 
-    python3 benchmarks/gpu/capture_report.py benchmarks/results/capture-llama3-8b-s4-*.json
+    python -m benchmarks.gpu.capture_report benchmarks/results/capture-llama3-8b-s5-*.json
 """
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tpot_stats import summarise  # noqa: E402
+from benchmarks.gpu.tpot_stats import summarise
 
 MODES = ["idle2", "hs", "qk", "mixed", "steer", "dump"]  # idle2: the A/A control
 TARGETS = {"hs": 2.5, "qk": 3.5}  # issue 4: TPOT overhead vs idle, %, at every load

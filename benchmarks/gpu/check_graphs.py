@@ -22,9 +22,8 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "overlay"))
 
-import numpy as np  # noqa: E402
+import numpy as np  # noqa: E402  after the environment above, as vLLM reads it
 
 if os.environ.get("GT_STACKS"):  # diagnose a slow or stuck start: dump every thread's stack
     import faulthandler
@@ -120,7 +119,6 @@ def judge_captures(hooks, tokens, ref_hooks, prompt_len: int, steered_tokens) ->
 
 
 def main() -> int:
-    import graphtap.ops.steer as steer_op
     from graphtap.testing.engines import make_llm, runner_info, shutdown
     from graphtap.testing.tiny_models import tiny_model
     from vllm.compilation.counter import compilation_counter
@@ -150,7 +148,7 @@ def main() -> int:
     keys = ("num_graphs_seen", "num_backend_compilations", "num_inductor_compiles",
             "num_cudagraph_captured", "num_eager_compiles")
     before = {k: getattr(compilation_counter, k) for k in keys}
-    calls_before = steer_op.python_calls
+    calls_before = runner_info(llm)["op_python_calls"].get("steer_resid_", 0)
     got = run(llm, prompts, hooks)
     plain_graph = run(llm, prompts, [None] * len(prompts))
     mixes = [[None] * 6, hooks, hooks[::-1], [hooks[1]] * 6, [hooks[2], None, hooks[5]]]
@@ -158,7 +156,7 @@ def main() -> int:
     caps, cap_tokens = capture_run(llm, prompts, hooks)
     steered_alone = run(llm, [prompts[4]], [hooks[1]])[0]
     after = {k: getattr(compilation_counter, k) for k in keys}
-    calls_after = steer_op.python_calls
+    calls_after = runner_info(llm)["op_python_calls"].get("steer_resid_", 0)
     verdict = {
         "runner": info,
         "parity_graph_vs_eager": got == want,

@@ -8,6 +8,6 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 rm -rf "$GT_SITE" && mkdir -p "$GT_SITE/graphtap-0.1.0.dist-info"
 cp -r "$repo/overlay/graphtap" "$GT_SITE/"
 printf 'Metadata-Version: 2.1\nName: graphtap\nVersion: 0.1.0\n' > "$GT_SITE/graphtap-0.1.0.dist-info/METADATA"
-printf '[vllm.hook_managers]\ngraphtap = graphtap.manager:GraphtapHookManager\n' \
+printf '[vllm.hook_managers]\ngraphtap = graphtap.seam:GraphtapHookManager\n' \
   > "$GT_SITE/graphtap-0.1.0.dist-info/entry_points.txt"
 export GT_SITE

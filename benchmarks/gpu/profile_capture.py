@@ -11,7 +11,7 @@ synchronisations, pinned allocations, blocking copies) and the top host ops. Wri
 $OUT/profile-capture.json; `--cpu` runs the same logic on the tiny model.
 
     PYTHONPATH=/tmp/vllm-site/patched:/tmp/vllm-site/deps:$GT_SITE \\
-        python3 benchmarks/gpu/profile_capture.py --model qwen2-1.5b
+        python -m benchmarks.gpu.profile_capture --model qwen2-1.5b
 """
 from __future__ import annotations
 
@@ -22,12 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from bench_tpot import GcPauses  # noqa: E402
-from workloads import ARCHS, count_rows, hook_config, mode_hooks, model_dir  # noqa: E402
+from benchmarks.gpu.bench_tpot import GcPauses
+from benchmarks.gpu.workloads import ARCHS, count_rows, hook_config, mode_hooks, model_dir
 
 STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
           "cudaHostAlloc", "cudaFreeHost", "cudaMemcpy", "aten::item", "aten::_local_scalar_dense",

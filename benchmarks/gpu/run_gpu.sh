@@ -18,15 +18,15 @@ OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"; export OUT
 DEPS=/tmp/vllm-site/deps
 while [ $# -gt 0 ]; do
   case "$1" in
-    check)  PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 benchmarks/gpu/check_graphs.py; shift ;;
-    report) python3 benchmarks/gpu/bench_tpot.py --report --out "$OUT"; shift ;;
+    check)  PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_graphs; shift ;;
+    report) python3 -m benchmarks.gpu.bench_tpot --report --out "$OUT"; shift ;;
     twin)   PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
-               benchmarks/gpu/bench_twin.py --model "$2" --out "$OUT" ${TWIN_ARGS:-}; shift 2 ;;
+               -m benchmarks.gpu.bench_twin --model "$2" --out "$OUT" ${TWIN_ARGS:-}; shift 2 ;;
     profile) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
-               benchmarks/gpu/profile_capture.py --model "$2" ${PROFILE_ARGS:-}; shift 2 ;;
+               -m benchmarks.gpu.profile_capture --model "$2" ${PROFILE_ARGS:-}; shift 2 ;;
     *)      model=$1 variant=$2; shift 2
             site=/tmp/vllm-site/$([ "$variant" = stock ] && echo stock || echo patched)
-            PYTHONPATH=$site:$DEPS:$GT_SITE python3 benchmarks/gpu/bench_tpot.py \
+            PYTHONPATH=$site:$DEPS:$GT_SITE python3 -m benchmarks.gpu.bench_tpot \
               --model "$model" --variant "$variant" --out "$OUT" ${BENCH_ARGS:-} ;;
   esac
 done

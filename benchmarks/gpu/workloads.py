@@ -4,7 +4,6 @@ configured sites they need, and how a finished output's captured rows are counte
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,7 +27,6 @@ ARCHS = {  # real architecture shapes; weights are dummy (speed does not depend 
 
 def model_dir(name: str) -> tuple[str, dict]:
     if name == "tiny":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "overlay"))
         from graphtap.testing.tiny_models import SPECS, tiny_model
 
         return str(tiny_model("llama")), {**SPECS["llama"], "vocab_size": 512}

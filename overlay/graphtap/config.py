@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from graphtap.sites import SiteTable, expand_patterns
+from graphtap.spec.sites import SiteTable, expand_patterns
 
 DEFAULT_SITES = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid", "blocks.*.hook_resid_post"]
 

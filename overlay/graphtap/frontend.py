@@ -1,21 +1,18 @@
-"""The frontend half of the hook manager: validate specs, salt the prefix cache, and keep
-the resident vector table from overflowing by refusing requests at admission."""
+"""The frontend half of the hook manager (vLLM's frontend process): validate and
+normalise specs, salt the prefix cache, keep the resident vector table from overflowing
+by refusing requests at admission, and hand a finished request's chunks to the courier."""
 from __future__ import annotations
 
-import os
 import threading
 from collections import Counter
 
-import torch
-
 from vllm.exceptions import VLLMValidationError
-from vllm.v1.worker.gpu.hooks import HookFrontend, merge_hook_chunks
+from vllm.v1.worker.gpu.hooks import HookFrontend
 
-from graphtap.courier import BOUND_SHORT, OVERFLOW_KEY
 from graphtap.config import HookConfig
+from graphtap.courier import assemble
 from graphtap.outputs import HookOutputs
-from graphtap.pattern_scheduler import unpack_patterns
-from graphtap.spec import ModelShape, normalise, parse_spec, steering_salt
+from graphtap.spec import ModelShape, NormalisedSpec, combined_salt, normalise, parse_spec
 
 
 class HookSpecError(VLLMValidationError, ValueError):
@@ -40,6 +37,8 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
 
 
 class GraphtapFrontend(HookFrontend):
+    """Implements vLLM's HookFrontend for one engine."""
+
     def __init__(self, shape: ModelShape):
         self.shape = shape
         # Distinct vectors of live requests, refcounted: the worker holds exactly these
@@ -64,28 +63,26 @@ class GraphtapFrontend(HookFrontend):
         if not raw:
             params.hooks = None
             return cache_salt
-        normalised = normalise(parse_spec(raw), self.shape)
-        if normalised["capture"] and getattr(params, "n", 1) > 1:
+        spec = normalise(parse_spec(raw), self.shape)
+        if spec.captures_anything and getattr(params, "n", 1) > 1:
             # Each sample is its own engine request, but RequestOutput.hooks has room for
             # one set of captures: refuse rather than return one sample's rows silently.
             raise ValueError("hooks.capture: not supported with n > 1 (parallel sampling); "
                              "send one request per sample")
-        params.hooks = normalised
-        if normalised["capture"]:
+        params.hooks = spec.to_wire()
+        if spec.captures_anything:
             # Prompt positions served from the prefix cache never run through the model,
             # so a capturing request recomputes its prompt (it still writes the cache).
             params.skip_reading_prefix_cache = True
-        salt = steering_salt(normalised)
-        if salt is None:
-            return cache_salt
-        return f"{cache_salt}|graphtap:{salt}" if cache_salt else f"graphtap:{salt}"
+        return combined_salt(cache_salt, spec)
 
     def admit_request(self, request) -> None:
-        hooks = request.sampling_params.hooks if request.sampling_params else None
-        keys = {s["key"] for s in (hooks or {}).get("steer", [])}
+        params = request.sampling_params
+        spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
+        keys = {s.key for s in spec.steer}
         with self._lock:
             new = [k for k in keys if self._refs[k] == 0]
-            held = sum(1 for k, n in self._refs.items() if n > 0)
+            held = sum(1 for n in self._refs.values() if n > 0)
             if held + len(new) > self.shape.max_vectors:
                 raise HookSpecError(
                     f"hooks.steer: this request needs {len(new)} new resident vector(s) and "
@@ -94,8 +91,8 @@ class GraphtapFrontend(HookFrontend):
             if keys:
                 self._live[request.request_id] = keys
                 self._refs.update(keys)
-            if hooks and hooks.get("save_to"):
-                self._save_to[request.request_id] = hooks["save_to"]
+            if spec.save_to:
+                self._save_to[request.request_id] = spec.save_to
 
     def release_request(self, request_id: str) -> None:
         with self._lock:
@@ -108,57 +105,6 @@ class GraphtapFrontend(HookFrontend):
                         del self._refs[k]
 
     def finish_outputs(self, request_id: str, chunks) -> HookOutputs:
-        """Merge a finished request's pieces: rows in position order, the last row kept
-        where a position ran twice (recomputation after preemption)."""
-        merged = merge_hook_chunks(chunks) or {}
         with self._lock:
             save_to = self._save_to.pop(request_id, None)
-        if OVERFLOW_KEY in merged:
-            wanted, capacity, kind = merged[OVERFLOW_KEY][:3].tolist()  # the first report
-            if kind == BOUND_SHORT:
-                return HookOutputs(error=(
-                    f"hooks.capture: graphtap bug: a step wrote {wanted} rows where the "
-                    f"host expected at most {capacity}; this request's captures were "
-                    f"withheld rather than returned incomplete (please report it)"))
-            what = ("attention-pattern rows", "pattern_rows") if kind else \
-                ("capture rows", "capture_rows")
-            return HookOutputs(error=(
-                f"hooks.capture: a step needed {wanted} {what[0]} and the buffer holds "
-                f"{capacity} (hook_config.{what[1]}); this request's captures are "
-                f"incomplete and were withheld"))
-        out = HookOutputs()
-        for name in [n for n in merged if not n.endswith("@positions")]:
-            rows, pos = merged[name], merged[f"{name}@positions"]
-            if name.endswith(".attn.hook_pattern"):
-                rows = unpack_patterns(rows, pos)
-            if len(pos) > 1 and not bool((pos[1:] > pos[:-1]).all()):
-                # Out of order or repeated: only after recomputation (preemption) or
-                # chunks arriving out of step order. A gather copies every row, so the
-                # usual, ordered case skips it (merge_hook_chunks copied them already).
-                order = torch.argsort(pos, stable=True)
-                rows, pos = rows[order], pos[order]
-                keep = torch.ones_like(pos, dtype=torch.bool)
-                keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
-                rows, pos = rows[keep], pos[keep]
-            out[name], out.positions[name] = _own(rows), _own(pos)
-        if save_to:
-            self._save(save_to, request_id, out)
-        return out
-
-    @staticmethod
-    def _save(directory: str, request_id: str, out: HookOutputs) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(directory, exist_ok=True)
-        tensors = {**out, **{f"{k}.positions": v for k, v in out.positions.items()}}
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)
-        save_file(tensors, os.path.join(directory, f"{safe}.safetensors"))
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """t in storage of its own. A single-chunk capture can still be a view of a whole
-    step's rows (the worker splits steps into views; in-process engines pass them on
-    unserialised), which would keep that step alive as long as the caller keeps this."""
-    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+        return assemble(request_id, chunks, save_to)

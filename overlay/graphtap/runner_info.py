@@ -24,6 +24,10 @@ class RunnerInfoExtension:
             "model_runner_v2": isinstance(runner, V2Runner),
             "compilation_mode": _name(config.mode),
             "cudagraph_mode": _name(config.cudagraph_mode),
+            # How often each graphtap op's Python body ran in this worker: inside
+            # replayed CUDA graphs it never runs.
+            "op_python_calls": dict(getattr(runner.hooks, "op_tables", None).python_calls)
+            if hasattr(runner.hooks, "op_tables") else {},
         }
 
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphtap.tables import CaptureTables
+from graphtap.ops.tables import RowTables
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def rows_view(x: torch.Tensor) -> torch.Tensor | None:
     return v if v.stride(1) == 1 or v.shape[1] == 1 else None
 
 
-def capture_triton(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | None,
+def capture_triton(t: RowTables, x: torch.Tensor, other: torch.Tensor | None,
                    site: int) -> bool:
     """Launch the kernel; False when the layout needs the torch path instead."""
     xv = rows_view(x)
@@ -47,7 +47,7 @@ def capture_triton(t: CaptureTables, x: torch.Tensor, other: torch.Tensor | None
     if n == 0:
         return True
     block = triton.next_power_of_2(w)
-    _capture_kernel[(n,)](xv, ov if ov is not None else xv, t.cap_dst[site], t.buf, w,
+    _capture_kernel[(n,)](xv, ov if ov is not None else xv, t.dst[site], t.buf, w,
                           xv.stride(0), ov.stride(0) if ov is not None else 0, t.buf.stride(0),
                           t.rows, HAS_OTHER=ov is not None, BLOCK=block,
                           num_warps=4 if block <= 2048 else 8)

@@ -3,44 +3,16 @@ rows over every key position, computed from post-RoPE q and the paged K cache.
 
 Reading keys from the cache (through the runner's fixed-address block tables) rather
 than from this step's k is what makes patterns complete under chunked prefill and for
-decode steps: every key the attention saw is in the cache at the z slot. The scheduler
-writes one route row per wanted (token, head) before the step; rows routed to other
-sites or idle return at once, so the launch shape never depends on data (graph safe).
-Torch on CPU (the spec of truth, free to sync: there is no device to stall), a Triton
-kernel on GPU (pattern_triton.py), tested against each other in Triton's interpreter.
+decode steps: every key the attention saw is in the cache at the z slot. The routing
+labels one buffer row per wanted (token, head) before the step; rows of other sites or
+none return at once, so the launch shape never depends on data (graph safe).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from graphtap.tables import PatternTables
-
-
-@dataclass
-class KeyCache:
-    """One layer's paged keys, as the pattern op reads them."""
-
-    keys: torch.Tensor  # [blocks, block_size, kv_heads, head_dim] view into the KV cache
-    block_table: torch.Tensor  # [max_reqs, max_blocks], rows in batch order, fixed address
-    scale: float  # the attention's softmax scale
-    group: int  # query heads per KV head (GQA)
-
-
-_tables: PatternTables | None = None
-_caches: dict[int, KeyCache] = {}
-
-
-def bind_pattern_tables(tables: PatternTables | None) -> None:
-    global _tables
-    _tables = tables
-
-
-def bind_key_caches(caches: dict[int, KeyCache]) -> None:
-    """site id -> its layer's keys; rebound whenever the runner (re)allocates the cache."""
-    _caches.clear()
-    _caches.update(caches)
+from graphtap.ops.running import running_tables
+from graphtap.ops.tables import KeyCache, Label, RowTables
 
 
 def key_cache_view(kv_cache: torch.Tensor, backend: str, head_size: int) -> torch.Tensor:
@@ -61,12 +33,14 @@ def key_cache_view(kv_cache: torch.Tensor, backend: str, head_size: int) -> torc
                      f"supported: CPU_ATTN (vec ISA), FLASH_ATTN, TRITON_ATTN, FLASHINFER")
 
 
-def pattern_reference(t: PatternTables, q: torch.Tensor, kc: KeyCache, site: int) -> None:
-    active = (t.route[: t.rows, 0] == site).nonzero().squeeze(1)
+def pattern_reference(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int) -> None:
+    """Torch implementation (free to sync: it runs where there is no device to stall)."""
+    active = (t.labels[: t.rows, Label.SITE] == site).nonzero().squeeze(1)
     if active.numel() == 0:
         return
-    r = t.route[active]
-    tok, head, brow, pos = r[:, 1], r[:, 2], r[:, 3], r[:, 4]
+    r = t.labels[active]
+    tok, head, brow, pos = (r[:, Label.TOKEN], r[:, Label.HEAD], r[:, Label.BATCH_ROW],
+                            r[:, Label.POSITION])
     span = int(pos.max()) + 1
     j = torch.arange(span, device=q.device)
     bs = kc.keys.shape[1]
@@ -81,15 +55,11 @@ def pattern_reference(t: PatternTables, q: torch.Tensor, kc: KeyCache, site: int
 def capture_pattern_(sink: torch.Tensor, q: torch.Tensor, site: int) -> None:
     """`sink` is the attention output (consumed by o_proj next), declared mutated and
     left alone so that dead-code elimination keeps the op; q is [tokens, heads, dim]."""
-    kc = _caches.get(site)
-    if _tables is None or kc is None:  # profiling run before the cache exists
+    t = running_tables("capture_pattern_")
+    kc = t.key_caches.get(site)
+    if t.pattern is None or kc is None:  # the profiling run, before the cache exists
         return
-    if q.is_cuda:
-        from graphtap.ops.pattern_triton import pattern_triton
-
-        pattern_triton(_tables, q, kc, site)
-    else:
-        pattern_reference(_tables, q, kc, site)
+    t.backend.pattern(t.pattern, q, kc, site)
 
 
 @capture_pattern_.register_fake

@@ -1,6 +1,6 @@
-"""Triton kernel for attention patterns: one program per route row (fixed grid of
-pattern_rows programs, fixed launch config, no autotune). A program whose row is idle or
-belongs to another site returns after one load; an active one walks its request's block
+"""Triton kernel for attention patterns: one program per buffer row (fixed grid of
+pattern_rows programs, fixed launch config, no autotune). A program whose row belongs to
+another site or none returns after one load; an active one walks its request's block
 table twice (online max and sum, then the normalised probabilities)."""
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphtap.ops.pattern import KeyCache
-from graphtap.tables import PatternTables
+from graphtap.ops.tables import LABELS, KeyCache, Label, RowTables
 
 BLOCK_N = 64
 
@@ -27,16 +26,19 @@ def _block_scores(k_head, qv, bt_ptr, brow, s_bt, start, n_keys, sk_b, sk_n, sk_
 
 
 @triton.jit
-def _pattern_kernel(route_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
+def _pattern_kernel(labels_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
                     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, s_bt, s_buf, D, BS, GROUP,
+                    L: tl.constexpr, C_SITE: tl.constexpr, C_TOKEN: tl.constexpr,
+                    C_HEAD: tl.constexpr, C_BROW: tl.constexpr, C_POS: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    site = tl.load(route_ptr + row * 6)
+    label = labels_ptr + row * L
+    site = tl.load(label + C_SITE)
     if site == SITE:
-        tok = tl.load(route_ptr + row * 6 + 1)
-        head = tl.load(route_ptr + row * 6 + 2)
-        brow = tl.load(route_ptr + row * 6 + 3)
-        n_keys = tl.load(route_ptr + row * 6 + 4) + 1
+        tok = tl.load(label + C_TOKEN)
+        head = tl.load(label + C_HEAD)
+        brow = tl.load(label + C_BROW)
+        n_keys = tl.load(label + C_POS) + 1
         d = tl.arange(0, BLOCK_D)
         dm = d < D
         qv = tl.load(q_ptr + tok * sq_t + head * sq_h + d * sq_d, mask=dm, other=0.0).to(tl.float32)
@@ -55,11 +57,13 @@ def _pattern_kernel(route_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
             tl.store(buf_ptr + row * s_buf + j, tl.exp(s - m_i) / l_i, mask=jm)
 
 
-def pattern_triton(t: PatternTables, q: torch.Tensor, kc: KeyCache, site: int) -> None:
+def pattern_triton(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int) -> None:
     keys, bt = kc.keys, kc.block_table
     dim = q.shape[-1]
     _pattern_kernel[(t.rows,)](
-        t.route, q, keys, bt, t.buf, site, kc.scale,
+        t.labels, q, keys, bt, t.buf, site, kc.scale,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         keys.stride(3), bt.stride(0), t.buf.stride(0), dim, keys.shape[1], kc.group,
+        L=LABELS, C_SITE=int(Label.SITE), C_TOKEN=int(Label.TOKEN), C_HEAD=int(Label.HEAD),
+        C_BROW=int(Label.BATCH_ROW), C_POS=int(Label.POSITION),
         BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, num_warps=4)

@@ -1,96 +1,79 @@
-"""Per-step routing on the device: each token row's request slot (route_tokens, for every
-hook), and for captures which (site, token row) pairs are wanted, the buffer row each gets
-and its label (route_captures). Runs on the host's stream before the forward (not inside the
-graph): it fills `cap_dst`, `meta` and `count`, which the graph's capture ops and the
-courier read.
+"""Per-step routing on the device, torch references (the spec of truth, and the CPU path).
 
-Rows are numbered site-major (every wanted token of site 0, then site 1, ...), in token
-order within a site; pairs past the buffer's capacity go to the trash row and are counted,
-so the courier reports the overflow instead of losing rows. Torch here (the spec of truth,
-and the CPU path); on a GPU Triton kernels do the same in one launch (tokens) and two
-(captures) instead of ~8 and ~35 small ops, whose launch cost made this the largest host
-cost of a capturing step on the H200's host (route_triton.py). GRAPHTAP_TORCH_ROUTING=1
-keeps the torch versions on GPUs too: the A/B of the kernels' gain, and a way around them.
+`route_tokens_reference`: each token row's request slot and batch row, for every hook.
+`route_rows_reference`: for a row family (captures, attention patterns), every wanted
+(site, token row, head) unit, the buffer row it gets and its label (ops.tables.Label).
+Units are numbered site-major, then token, then head (ascending); units past the buffer's
+capacity go to the trash row and are counted, so the courier reports an overflow instead
+of losing rows. Runs on the host's stream before the forward (not inside the graph): it
+fills what the graph's ops and the courier read. route_triton.py does the same in a few
+launches.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from graphtap.tables import CaptureTables, SteerTables, entry_bits
-
-
-def torch_routing() -> bool:
-    """GRAPHTAP_TORCH_ROUTING=1: the torch versions on every device."""
-    return os.environ.get("GRAPHTAP_TORCH_ROUTING", "") == "1"
-
-
-def route_tokens(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int,
-                 num_reqs: int) -> None:
-    """tok_slot[:n] and tok_row[:n]: the request slot and batch row of each token row, from
-    the batch's query start locations (qsl [num_reqs + 1]) and its batch row -> slot map;
-    rows past the last request's tokens (padding) get the sentinel."""
-    if qsl.is_cuda and not torch_routing():
-        from graphtap.ops.route_triton import route_tokens_triton
-
-        route_tokens_triton(t, qsl, idx_mapping, n, num_reqs)
-        return
-    route_tokens_reference(t, qsl, idx_mapping, n, num_reqs)
-
-
-def route_tokens_reference(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor,
-                           n: int, num_reqs: int) -> None:
-    qsl = qsl[: num_reqs + 1]
-    rows = _arange(t.tok_slot.shape[0], qsl.dtype, qsl.device)[:n]
-    batch_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)
-    batch_row.clamp_(max=num_reqs - 1)
-    slot = idx_mapping[batch_row].to(torch.int64)
-    slot = torch.where(rows < qsl[num_reqs], slot, t.sentinel)
-    t.tok_slot[:n].copy_(slot)
-    t.tok_row[:n].copy_(batch_row)  # block-table row, for attention patterns
+from graphtap.ops.tables import LABEL_DTYPE, Label, RowTables, entry_bits
 
 
 @functools.lru_cache(maxsize=8)
 def _arange(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """0..size-1, made once per table size and device and sliced every step: no
-    allocation per step (as the scheduler's own arange was before this moved here)."""
+    """0..size-1, made once per table size and device and sliced every step."""
     return torch.arange(size, dtype=dtype, device=device)
 
 
-def route_captures(t: CaptureTables, slot: torch.Tensor, positions: torch.Tensor,
-                   max_len: int) -> None:
-    """slot [n]: each token row's request slot (the sentinel: none); positions [n] (any
-    integer dtype), clamped to [0, max_len) as the ops clamp them."""
-    if slot.is_cuda and not torch_routing():
-        from graphtap.ops.route_triton import route_triton
+def route_tokens_reference(tok_slot: torch.Tensor, tok_row: torch.Tensor, sentinel: int,
+                           qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int,
+                           num_reqs: int) -> None:
+    """tok_slot[:n] and tok_row[:n] from the batch's query start locations (qsl
+    [num_reqs + 1]) and its batch row -> slot map; rows past the last request's tokens
+    (padding) get the sentinel."""
+    qsl = qsl[: num_reqs + 1]
+    rows = _arange(tok_slot.shape[0], qsl.dtype, qsl.device)[:n]
+    batch_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True)
+    batch_row.clamp_(max=num_reqs - 1)
+    slot = idx_mapping[batch_row].to(torch.int64)
+    slot = torch.where(rows < qsl[num_reqs], slot, sentinel)
+    tok_slot[:n].copy_(slot)
+    tok_row[:n].copy_(batch_row)
 
-        route_triton(t, slot, positions, max_len)
-        return
-    route_reference(t, slot, positions, max_len)
 
-
-def route_reference(t: CaptureTables, slot: torch.Tensor, positions: torch.Tensor,
-                    max_len: int) -> None:
-    n = slot.shape[0]
+def route_rows_reference(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
+                         positions: torch.Tensor, max_len: int) -> None:
+    """slot, brow [n]: each token row's request slot (the sentinel: none) and batch row;
+    positions [n] (any integer dtype), clamped to [0, max_len) as the ops clamp them."""
+    n, dev = slot.shape[0], slot.device
     pos = positions.long().clamp(0, max_len - 1)
-    num_sites = t.cap_dst.shape[0]
-    tokens = _arange(t.cap_dst.shape[1], torch.long, slot.device)[:n]
-    # All entries at once: a fixed number of kernels per step, whatever max_captures.
-    # A request names each site once, so active (site, token) pairs never collide and
-    # a plain index_put_ suffices; inactive entries write into an extra, dropped row.
-    # (accumulate=True would take CUDA's sort-based path every step.)
-    site = t.cap_site[slot].long()  # [n, C]
-    on = (site >= 0) & entry_bits(t.cap_pos, slot, pos)
-    want = torch.zeros((num_sites + 1, n), dtype=torch.bool, device=slot.device)
-    want.index_put_((torch.where(on, site, num_sites), tokens[:, None].expand_as(site)), on)
+    num_sites = t.num_sites
+    tokens = _arange(t.flags.shape[1], torch.long, dev)[:n]
+    # All entries at once: a fixed number of kernels per step, whatever the entry count.
+    # A request names each site once, so active (site, token) pairs never collide;
+    # inactive entries write into an extra, dropped site row.
+    site = t.entry_site[slot].long()  # [n, C]
+    on = (site >= 0) & entry_bits(t.entry_pos, slot, pos)
+    target = (torch.where(on, site, num_sites), tokens[:, None].expand_as(site))
+    if t.entry_heads is None:
+        want = torch.zeros((num_sites + 1, n, 1), dtype=torch.bool, device=dev)
+        want.index_put_((*target, torch.zeros_like(site)), on)
+    else:
+        heads = t.entry_heads[slot] != 0  # [n, C, Hq]
+        want = torch.zeros((num_sites + 1, n, heads.shape[2]), dtype=torch.bool, device=dev)
+        want.index_put_(target, heads & on[:, :, None])
+    h = want.shape[2]
     flat = want[:num_sites].flatten()
     index = torch.cumsum(flat, 0) - 1
     dst = torch.where(flat & (index < t.rows), index, t.rows)
-    t.cap_dst[:, :n].copy_(dst.view(num_sites, n))
+    if t.dst is not None:
+        t.dst[:, :n].copy_(dst.view(num_sites, n))
     t.count.copy_(flat.sum().reshape(1))
-    sites = _arange(num_sites, torch.long, slot.device).repeat_interleave(n)
-    labels = torch.stack((slot.repeat(num_sites), sites, pos.repeat(num_sites)), dim=1)
-    t.meta[:, 0].fill_(-1)
-    t.meta.index_copy_(0, dst, labels)
+    unit_site = _arange(num_sites, torch.long, dev).repeat_interleave(n * h)
+    unit_tok = tokens.repeat_interleave(h).repeat(num_sites)
+    unit_head = _arange(h, torch.long, dev).repeat(num_sites * n)
+    columns = {Label.SLOT: slot[unit_tok], Label.SITE: unit_site, Label.POSITION: pos[unit_tok],
+               Label.HEAD: unit_head, Label.TOKEN: unit_tok, Label.BATCH_ROW: brow[unit_tok]}
+    labels = torch.stack([columns[c].to(LABEL_DTYPE) for c in Label], dim=1)
+    t.labels[:, Label.SITE].fill_(-1)
+    t.labels.index_copy_(0, dst, labels)
+    t.labels[t.rows, Label.SITE] = -1  # the trash row took everything not wanted

@@ -1,14 +1,13 @@
 """Per-step routing on the GPU (route.py's references, in three launches).
 
-The torch versions are ~8 (token slots) and ~35 (capture rows) small ops; on the H200's
+The torch versions are ~8 (token slots) and ~35 (row units) small ops; on the H200's
 host each launch cost tens of microseconds, ~3 ms per capturing step on the engine's
-critical path (prepare_step, profiled), which small models pay in full. Here: one kernel
-finds each token row's request by binary search over the batch's query start locations;
-for captures, one kernel marks the wanted (site, token) pairs of each block of tokens and
-counts them, a second turns the counts before a block into its first buffer row and
-writes rows and labels. Launch shapes and constexprs are fixed per engine (token and
-request counts only set the grid or are not specialised), so nothing is compiled after
-the warm-up at start.
+critical path, which small models pay in full. Here: one kernel finds each token row's
+request by binary search over the batch's query start locations; for a row family, one
+kernel counts the wanted units of each (site, block of tokens), a second turns the
+counts before a block into its first buffer row and writes rows and labels. Launch
+shapes and constexprs are fixed per engine (token and request counts only set the grid
+or are not specialised), so nothing is compiled after the warm-up at start.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphtap.tables import ROUTE_MIN_BLOCK, CaptureTables, SteerTables
+from graphtap.ops.tables import LABELS, ROUTE_MIN_BLOCK, Label, RowTables
 
 BLOCK = 1024
 
@@ -42,18 +41,28 @@ def _tokens_kernel(qsl_ptr, idx_ptr, slot_ptr, row_ptr, n, num_reqs, SENTINEL,
     tl.store(row_ptr + offs, row.to(tl.int64), mask=m)
 
 
-def route_tokens_triton(t: SteerTables, qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int,
-                        num_reqs: int, block: int = BLOCK) -> None:
+def route_tokens_triton(tok_slot: torch.Tensor, tok_row: torch.Tensor, sentinel: int,
+                        qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int, num_reqs: int,
+                        block: int = BLOCK) -> None:
     if n == 0 or num_reqs == 0:
         return
-    steps = (t.sentinel + 1).bit_length() + 1  # enough halvings for max_num_seqs, fixed
-    _tokens_kernel[(triton.cdiv(n, block),)](qsl, idx_mapping, t.tok_slot, t.tok_row, n,
-                                              num_reqs, t.sentinel, STEPS=steps, BLOCK=block)
+    steps = (sentinel + 1).bit_length() + 1  # enough halvings for max_num_seqs, fixed
+    _tokens_kernel[(triton.cdiv(n, block),)](qsl, idx_mapping, tok_slot, tok_row, n, num_reqs,
+                                              sentinel, STEPS=steps, BLOCK=block)
+
+
+@triton.jit
+def _entry_hit(site_ptr, bits_ptr, entries, c, s, pos, W, m):
+    """Whether entry c of each token's slot is site s and wants the token's position."""
+    hit = m & (tl.load(site_ptr + entries + c, mask=m, other=-1) == s)
+    word = tl.load(bits_ptr + entries + c * W + pos // 32, mask=hit, other=0)
+    return hit & (((word >> (pos % 32)) & 1) == 1)
 
 
 @triton.jit(do_not_specialize=["n", "nb"])
-def _flags_kernel(slot_ptr, pos_ptr, site_ptr, bits_ptr, flags_ptr, counts_ptr, n, nb, N, W,
-                  max_len, C: tl.constexpr, BLOCK: tl.constexpr):
+def _flags_kernel(slot_ptr, pos_ptr, site_ptr, bits_ptr, heads_ptr, flags_ptr, counts_ptr,
+                  n, nb, N, W, stride_slot, max_len, C: tl.constexpr, HEADS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     s = tl.program_id(0)
     b = tl.program_id(1)
     offs = b * BLOCK + tl.arange(0, BLOCK)
@@ -61,19 +70,42 @@ def _flags_kernel(slot_ptr, pos_ptr, site_ptr, bits_ptr, flags_ptr, counts_ptr, 
     slot = tl.load(slot_ptr + offs, mask=m, other=0).to(tl.int64)
     pos = tl.load(pos_ptr + offs, mask=m, other=0).to(tl.int32)
     pos = tl.minimum(tl.maximum(pos, 0), max_len - 1)
-    on = tl.zeros([BLOCK], dtype=tl.int32)
+    entries = slot * stride_slot
+    units = tl.zeros([BLOCK], dtype=tl.int32)
     for c in tl.static_range(C):
-        entry = slot * C + c
-        hit = m & (tl.load(site_ptr + entry, mask=m, other=-1) == s)
-        word = tl.load(bits_ptr + entry * W + pos // 32, mask=hit, other=0)
-        on = tl.where(hit & (((word >> (pos % 32)) & 1) == 1), 1, on)
-    tl.store(flags_ptr + s * N + offs, on.to(tl.int8), mask=m)
-    tl.store(counts_ptr + s * nb + b, tl.sum(on, axis=0))
+        on = _entry_hit(site_ptr, bits_ptr, entries, c, s, pos, W, m)
+        if HEADS == 0:  # one whole row per token
+            units = tl.where(on, 1, units)
+        else:  # one row per chosen head
+            k = tl.zeros([BLOCK], dtype=tl.int32)
+            for h in tl.static_range(HEADS):
+                k += (tl.load(heads_ptr + entries + c * HEADS + h, mask=on, other=0) != 0
+                      ).to(tl.int32)
+            units = tl.where(on, k, units)
+    tl.store(flags_ptr + s * N + offs, units, mask=m)
+    tl.store(counts_ptr + s * nb + b, tl.sum(units, axis=0))
+
+
+@triton.jit
+def _store_label(labels_ptr, row, ok, slot, s, pos, head, tok, brow, L: tl.constexpr,
+                 C_SLOT: tl.constexpr, C_SITE: tl.constexpr, C_POS: tl.constexpr,
+                 C_HEAD: tl.constexpr, C_TOKEN: tl.constexpr, C_BROW: tl.constexpr):
+    label = labels_ptr + row * L
+    tl.store(label + C_SLOT, slot, mask=ok)
+    tl.store(label + C_SITE, s + tl.zeros_like(slot), mask=ok)
+    tl.store(label + C_POS, pos, mask=ok)
+    tl.store(label + C_HEAD, head, mask=ok)
+    tl.store(label + C_TOKEN, tok, mask=ok)
+    tl.store(label + C_BROW, brow, mask=ok)
 
 
 @triton.jit(do_not_specialize=["n", "nb"])
-def _rows_kernel(flags_ptr, counts_ptr, slot_ptr, pos_ptr, dst_ptr, meta_ptr, count_ptr, n,
-                 nb, N, K, max_len, S, BLOCK: tl.constexpr, CBLOCK: tl.constexpr):
+def _rows_kernel(flags_ptr, counts_ptr, slot_ptr, brow_ptr, pos_ptr, site_ptr, bits_ptr,
+                 heads_ptr, dst_ptr, labels_ptr, count_ptr, n, nb, N, K, W, stride_slot,
+                 max_len, S, C: tl.constexpr, HEADS: tl.constexpr, WRITE_DST: tl.constexpr,
+                 L: tl.constexpr, C_SLOT: tl.constexpr, C_SITE: tl.constexpr,
+                 C_POS: tl.constexpr, C_HEAD: tl.constexpr, C_TOKEN: tl.constexpr,
+                 C_BROW: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr):
     s = tl.program_id(0)
     b = tl.program_id(1)
     me = s * nb + b  # site-major, as the rows are numbered
@@ -81,37 +113,65 @@ def _rows_kernel(flags_ptr, counts_ptr, slot_ptr, pos_ptr, dst_ptr, meta_ptr, co
     base = tl.sum(tl.load(counts_ptr + ci, mask=ci < me, other=0), axis=0).to(tl.int64)
     offs = b * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    on = tl.load(flags_ptr + s * N + offs, mask=m, other=0).to(tl.int32)
-    idx = base + tl.cumsum(on, axis=0).to(tl.int64) - 1
-    ok = (on != 0) & (idx < K)
-    dst = tl.where(ok, idx, K)
-    tl.store(dst_ptr + s * N + offs, dst, mask=m)
-    slot = tl.load(slot_ptr + offs, mask=ok, other=0).to(tl.int64)
-    pos = tl.load(pos_ptr + offs, mask=ok, other=0).to(tl.int64)
+    units = tl.load(flags_ptr + s * N + offs, mask=m, other=0).to(tl.int64)
+    first = base + tl.cumsum(units, axis=0) - units  # each token's first row
+    wanted = units > 0
+    if WRITE_DST:
+        tl.store(dst_ptr + s * N + offs, tl.where(wanted & (first < K), first, K), mask=m)
+    slot = tl.load(slot_ptr + offs, mask=wanted, other=0).to(tl.int64)
+    brow = tl.load(brow_ptr + offs, mask=wanted, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + offs, mask=wanted, other=0).to(tl.int64)
     pos = tl.minimum(tl.maximum(pos, 0), max_len - 1)
-    tl.store(meta_ptr + dst * 3, slot, mask=ok)
-    tl.store(meta_ptr + dst * 3 + 1, (s + tl.zeros([BLOCK], dtype=tl.int64)), mask=ok)
-    tl.store(meta_ptr + dst * 3 + 2, pos, mask=ok)
+    tok = offs.to(tl.int64)
+    if HEADS == 0:
+        ok = wanted & (first < K)
+        _store_label(labels_ptr, tl.where(ok, first, K), ok, slot, s, pos, tl.zeros_like(pos),
+                     tok, brow, L, C_SLOT, C_SITE, C_POS, C_HEAD, C_TOKEN, C_BROW)
+    else:
+        entries = slot * stride_slot
+        entry = tl.zeros([BLOCK], dtype=tl.int64)  # the entry of the site (at most one)
+        for c in tl.static_range(C):
+            on = _entry_hit(site_ptr, bits_ptr, entries, c, s, pos.to(tl.int32), W, wanted)
+            entry = tl.where(on, c, entry)
+        rank = tl.zeros([BLOCK], dtype=tl.int64)
+        for h in tl.static_range(HEADS):
+            on = wanted & (tl.load(heads_ptr + entries + entry * HEADS + h, mask=wanted,
+                                   other=0) != 0)
+            row = first + rank
+            ok = on & (row < K)
+            _store_label(labels_ptr, tl.where(ok, row, K), ok, slot, s, pos,
+                         h + tl.zeros_like(pos), tok, brow, L, C_SLOT, C_SITE, C_POS, C_HEAD,
+                         C_TOKEN, C_BROW)
+            rank += on.to(tl.int64)
     # The last block of the last site knows every count before it: the step's total
     # (past K too: the courier reports an overflow from it).
-    total = base + tl.sum(on, axis=0).to(tl.int64)
+    total = base + tl.sum(units, axis=0)
     tl.store(count_ptr, total, mask=me == S * nb - 1)
 
 
-def route_triton(t: CaptureTables, slot: torch.Tensor, positions: torch.Tensor, max_len: int,
-                 block: int = BLOCK) -> None:
+def route_rows_triton(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
+                      positions: torch.Tensor, max_len: int, block: int = BLOCK) -> None:
     n = slot.shape[0]
+    t.labels[:, Label.SITE].fill_(-1)
     if n == 0:
+        t.count.zero_()
         return
-    num_sites, N = t.cap_dst.shape
+    num_sites, N = t.num_sites, t.flags.shape[1]
     nb = triton.cdiv(n, block)
-    assert block >= ROUTE_MIN_BLOCK and num_sites * nb <= t.route_counts.numel()
+    assert block >= ROUTE_MIN_BLOCK and num_sites * nb <= t.block_counts.numel()
     cblock = triton.next_power_of_2(num_sites * triton.cdiv(N, block))  # fixed per engine
-    t.meta[:, 0].fill_(-1)
+    heads = 0 if t.entry_heads is None else t.entry_heads.shape[2]
+    heads_table = t.entry_site if t.entry_heads is None else t.entry_heads
     grid = (num_sites, nb)
-    _flags_kernel[grid](slot, positions, t.cap_site, t.cap_pos, t.route_flags, t.route_counts,
-                        n, nb, N, t.cap_pos.shape[2], max_len, C=t.cap_site.shape[1],
+    c, w, stride = t.entry_site.shape[1], t.entry_pos.shape[2], t.entry_site.stride(0)
+    _flags_kernel[grid](slot, positions, t.entry_site, t.entry_pos, heads_table, t.flags,
+                        t.block_counts, n, nb, N, w, stride, max_len, C=c, HEADS=heads,
                         BLOCK=block)
-    _rows_kernel[grid](t.route_flags, t.route_counts, slot, positions, t.cap_dst, t.meta,
-                       t.count, n, nb, N, t.rows, max_len, num_sites, BLOCK=block,
+    cols = dict(L=LABELS, C_SLOT=int(Label.SLOT), C_SITE=int(Label.SITE),
+                C_POS=int(Label.POSITION), C_HEAD=int(Label.HEAD), C_TOKEN=int(Label.TOKEN),
+                C_BROW=int(Label.BATCH_ROW))
+    _rows_kernel[grid](t.flags, t.block_counts, slot, brow, positions, t.entry_site,
+                       t.entry_pos, heads_table, t.dst if t.dst is not None else t.flags,
+                       t.labels, t.count, n, nb, N, t.rows, w, stride, max_len, num_sites,
+                       C=c, HEADS=heads, WRITE_DST=t.dst is not None, **cols, BLOCK=block,
                        CBLOCK=cblock)

@@ -2,7 +2,7 @@
 config (no autotune: nothing may be tuned or compiled differently inside a capture).
 
 Inactive rows cost a handful of scalar loads: the entry pass that decides whether any
-entry applies reads only ent_site and one bitmap word per entry; the row itself is read
+entry applies reads only the entry's site and one bitmap word; the row itself is read
 and written only when one does, so unsteered rows are never touched.
 """
 from __future__ import annotations
@@ -11,22 +11,23 @@ import torch
 import triton
 import triton.language as tl
 
-from graphtap.tables import SteerTables
+from graphtap.ops.tables import SteerTables
 
 
 @triton.jit
-def _steer_kernel(x_ptr, other_ptr, pos_ptr, slot_ptr, site_ptr, vec_ptr, a_ptr, lo_ptr, hi_ptr,
-                  posbits_ptr, bank_ptr, inv_ptr, H, stride_x, stride_o, stride_b, W, max_len,
-                  SITE, HAS_OTHER: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr):
+def _steer_kernel(x_ptr, other_ptr, pos_ptr, slot_ptr, site_ptr, vec_ptr, coef_ptr,
+                  posbits_ptr, bank_ptr, inv_ptr, H, stride_x, stride_o, stride_b, stride_slot,
+                  W, max_len, SITE, HAS_OTHER: tl.constexpr, E: tl.constexpr,
+                  BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    slot = tl.load(slot_ptr + row)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int32)
     pos = tl.minimum(tl.maximum(pos, 0), max_len - 1)
+    entries = slot * stride_slot  # the slot's row of the slot block (every view shares it)
     hits = 0
     for e in tl.static_range(E):
-        base = slot * E + e
-        word = tl.load(posbits_ptr + base * W + pos // 32)
-        on = (tl.load(site_ptr + base) == SITE) & (((word >> (pos % 32)) & 1) == 1)
+        word = tl.load(posbits_ptr + entries + e * W + pos // 32)
+        on = (tl.load(site_ptr + entries + e) == SITE) & (((word >> (pos % 32)) & 1) == 1)
         hits += on.to(tl.int32)
     if hits > 0:
         offs = tl.arange(0, BLOCK)
@@ -37,30 +38,31 @@ def _steer_kernel(x_ptr, other_ptr, pos_ptr, slot_ptr, site_ptr, vec_ptr, a_ptr,
             s += tl.load(other_ptr + row * stride_o + offs, mask=m, other=0.0).to(tl.float32)
         delta = tl.zeros([BLOCK], dtype=tl.float32)
         for e in tl.static_range(E):
-            base = slot * E + e
-            word = tl.load(posbits_ptr + base * W + pos // 32)
-            on = (tl.load(site_ptr + base) == SITE) & (((word >> (pos % 32)) & 1) == 1)
+            word = tl.load(posbits_ptr + entries + e * W + pos // 32)
+            on = (tl.load(site_ptr + entries + e) == SITE) & (((word >> (pos % 32)) & 1) == 1)
             if on:
-                vi = tl.load(vec_ptr + base)
+                vi = tl.load(vec_ptr + entries + e).to(tl.int64)
                 v = tl.load(bank_ptr + vi * stride_b + offs, mask=m, other=0.0).to(tl.float32)
                 u = v * tl.load(inv_ptr + vi)
                 p = tl.sum(s * u, axis=0)
-                pc = tl.minimum(tl.maximum(p, tl.load(lo_ptr + base)), tl.load(hi_ptr + base))
-                d = tl.load(a_ptr + base) * v + (pc - p) * u
+                lo = tl.load(coef_ptr + entries + e * 3 + 1)
+                hi = tl.load(coef_ptr + entries + e * 3 + 2)
+                pc = tl.minimum(tl.maximum(p, lo), hi)
+                d = tl.load(coef_ptr + entries + e * 3) * v + (pc - p) * u
                 s += d
                 delta += d
         tl.store(x_ptr + row * stride_x + offs, (x + delta).to(x_ptr.dtype.element_ty), mask=m)
 
 
-def steer_triton(t: SteerTables, x: torch.Tensor, other: torch.Tensor | None,
-                 positions: torch.Tensor, site: int) -> None:
+def steer_triton(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
+                 other: torch.Tensor | None, positions: torch.Tensor, site: int) -> None:
     n, h = x.shape
     if n == 0:
         return
     block = triton.next_power_of_2(h)
     _steer_kernel[(n,)](
-        x, other if other is not None else x, positions, t.tok_slot, t.ent_site, t.ent_vec,
-        t.ent_a, t.ent_lo, t.ent_hi, t.ent_pos, t.bank, t.inv_norm, h, x.stride(0),
-        other.stride(0) if other is not None else 0, t.bank.stride(0), t.ent_pos.shape[2],
-        t.max_len, site, HAS_OTHER=other is not None, E=t.max_steers, BLOCK=block,
+        x, other if other is not None else x, positions, tok_slot, t.site, t.vec, t.coef,
+        t.pos, t.bank, t.inv_norm, h, x.stride(0), other.stride(0) if other is not None else 0,
+        t.bank.stride(0), t.site.stride(0), t.pos.shape[2], t.max_len, site,
+        HAS_OTHER=other is not None, E=t.max_steers, BLOCK=block,
         num_warps=4 if block <= 2048 else 8)

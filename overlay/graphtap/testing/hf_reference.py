@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
-from graphtap.spec import _bounds, parse_spec
-from graphtap.sites import parse_site
+from graphtap.spec import parse_spec, steer_bounds
+from graphtap.spec.sites import parse_site
 
 
 def _selected(rule, positions: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -73,7 +73,7 @@ def hf_steering(model, hooks: dict, prompt_len: int):
     by_site: dict[tuple[int, str], list] = {}
     for s in spec.steer:
         site = parse_site(s.site, len(layers))
-        a, lo, hi = _bounds(s)
+        a, lo, hi = steer_bounds(s)
         by_site.setdefault((site.layer, site.kind), []).append((s, a, lo, hi))
 
     def edit(x):

@@ -1,0 +1,11 @@
+"""The courier: step snapshots of labelled device rows go home on vLLM's output copy
+stream, are split per request once there, and become a finished request's
+`RequestOutput.hooks` in the frontend (overflow as a typed error, `save_to` files)."""
+from graphtap.courier.assemble import assemble
+from graphtap.courier.chunks import Overflow, OverflowKind
+from graphtap.courier.patterns import PatternFormat, PatternStep
+from graphtap.courier.rows import CaptureStep, RowFormat, columns
+from graphtap.courier.snapshot import LabelledStep, StepRows, StepSnapshots
+
+__all__ = ["CaptureStep", "LabelledStep", "Overflow", "OverflowKind", "PatternFormat",
+           "PatternStep", "RowFormat", "StepRows", "StepSnapshots", "assemble", "columns"]

@@ -1,0 +1,70 @@
+"""A finished request's hook outputs, from the chunks its steps sent (frontend process):
+rows in position order, the last row kept where a position ran twice (recomputation
+after preemption), patterns unpacked, an overflow as the error, and the request's
+safetensors file where it asked for one."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from graphtap.courier.chunks import OVERFLOW, Overflow, is_data_key, positions_key, ragged_name
+from graphtap.courier.patterns import unpack_patterns
+from graphtap.outputs import HookOutputs
+
+
+def merge_chunks(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate per-key pieces along the first dimension, in arrival order."""
+    names: dict[str, list[torch.Tensor]] = {}
+    for chunk in chunks:
+        for name, tensor in chunk.items():
+            names.setdefault(name, []).append(tensor)
+    return {n: t[0] if len(t) == 1 else torch.cat(t) for n, t in names.items()}
+
+
+def assemble(request_id: str, chunks: list[dict[str, torch.Tensor]],
+             save_to: str | None = None) -> HookOutputs:
+    merged = merge_chunks(chunks)
+    if OVERFLOW in merged:
+        return HookOutputs(error=Overflow.from_tensor(merged[OVERFLOW]).message())  # the first
+    out = HookOutputs()
+    for key in merged:
+        if (name := ragged_name(key)) is not None:
+            pos = merged[positions_key(name)]
+            rows = unpack_patterns(merged[key], pos)
+        elif is_data_key(key):
+            name, rows, pos = key, merged[key], merged[positions_key(key)]
+        else:
+            continue
+        if len(pos) > 1 and not bool((pos[1:] > pos[:-1]).all()):
+            # Out of order or repeated: only after recomputation (preemption) or
+            # chunks arriving out of step order. A gather copies every row, so the
+            # usual, ordered case skips it (merge_chunks copied them already).
+            order = torch.argsort(pos, stable=True)
+            rows, pos = rows[order], pos[order]
+            keep = torch.ones_like(pos, dtype=torch.bool)
+            keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
+            rows, pos = rows[keep], pos[keep]
+        out[name], out.positions[name] = _own(rows), _own(pos)
+    if save_to:
+        save(save_to, request_id, out)
+    return out
+
+
+def save(directory: str, request_id: str, out: HookOutputs) -> None:
+    """One safetensors file per request, named after it."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    tensors = {**out, **{f"{k}.positions": v for k, v in out.positions.items()}}
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)
+    save_file(tensors, os.path.join(directory, f"{safe}.safetensors"))
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """t in storage of its own. A single-chunk capture can still be a view of a whole
+    step's rows (the worker splits steps into views; in-process engines pass them on
+    unserialised), which would keep that step alive as long as the caller keeps this."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

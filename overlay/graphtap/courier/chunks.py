@@ -1,0 +1,66 @@
+"""The courier's chunk schema: what one step's split hands each request (name -> CPU
+tensor, through vLLM's typed msgpack path as zero-copy frames), and the typed overflow
+error that replaces a request's rows when they could not all be kept."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+OVERFLOW = "graphtap:overflow"  # key of an overflow report in a chunk
+
+
+def positions_key(name: str) -> str:
+    """Key of a site's positions (one per row, or per query row for patterns)."""
+    return f"{name}@positions"
+
+
+def ragged_key(name: str) -> str:
+    """Key of a pattern site's values: flat ragged rows (position, head, keys 0..pos)."""
+    return f"{name}@ragged"
+
+
+def ragged_name(key: str) -> str | None:
+    """The pattern site whose ragged values `key` holds, or None."""
+    return key[: -len("@ragged")] if key.endswith("@ragged") else None
+
+
+def is_data_key(key: str) -> bool:
+    """Whether `key` holds a site's rows (not positions, ragged values or an overflow)."""
+    return "@" not in key and key != OVERFLOW
+
+
+class OverflowKind(IntEnum):
+    CAPTURE_ROWS = 0  # a step needed more rows than hook_config.capture_rows
+    PATTERN_ROWS = 1  # a step needed more rows than hook_config.pattern_rows
+    HOST_BOUND = 2  # the host's bound on a step's rows was short: a graphtap bug
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """Why a request's captures were withheld rather than returned incomplete."""
+
+    kind: OverflowKind
+    wanted: int
+    capacity: int
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.wanted, self.capacity, int(self.kind)], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Overflow":
+        wanted, capacity, kind = t[:3].tolist()
+        return cls(OverflowKind(kind), wanted, capacity)
+
+    def message(self) -> str:
+        if self.kind == OverflowKind.HOST_BOUND:
+            return (f"hooks.capture: graphtap bug: a step wrote {self.wanted} rows where the "
+                    f"host expected at most {self.capacity}; this request's captures were "
+                    f"withheld rather than returned incomplete (please report it)")
+        what, option = (("attention-pattern rows", "pattern_rows")
+                        if self.kind == OverflowKind.PATTERN_ROWS else
+                        ("capture rows", "capture_rows"))
+        return (f"hooks.capture: a step needed {self.wanted} {what} and the buffer holds "
+                f"{self.capacity} (hook_config.{option}); this request's captures are "
+                f"incomplete and were withheld")

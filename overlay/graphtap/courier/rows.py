@@ -1,0 +1,125 @@
+"""The courier's split of a capture step: each request's rows per site, in the format it
+asked for (dtype, chosen heads), as tensors of their own (never views of the pinned step
+buffer, which would keep it from going back to the caching host allocator)."""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from graphtap.courier.chunks import positions_key
+from graphtap.courier.snapshot import LabelledStep
+from graphtap.ops.tables import Label
+
+ORDER = (Label.SLOT, Label.SITE, Label.POSITION)
+HOST_LABELS = len(ORDER)  # label columns a capture step copies home
+
+
+class RowFormat(NamedTuple):
+    """How a request gets one site's rows back."""
+
+    dtype: torch.dtype
+    width: int  # the site's row width (hidden size, or heads x head_dim)
+    heads: tuple[int, ...] | None  # chosen heads (attention sites); None: the whole row
+    head_dim: int  # 0 for residual sites
+
+
+class CaptureStep(LabelledStep):
+    """A capture step; labels (slot, site, position) per row."""
+
+    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+        lost = self.overflow()
+        if lost is not None:
+            return lost
+        # Copies out of the pinned step buffer (a view would keep it from going back to
+        # the caching host allocator) of the bytes returned only, in few large copies:
+        # one per (site, output format) over the rows of its in-order groups, each
+        # group then a view of it. A row spans the widest configured site (Llama-3-8B:
+        # 4096 columns) where a k row of 4 heads uses 512; copying whole rows made a
+        # qk prefill step of 8 x 256 tokens cost 12 ms here, 67 MB moved for 8. And
+        # per-group copies (or even per-group tensors from numpy) add up: a decode step
+        # of 64 requests x 3 sites has 192 groups, and the H200 host was ~50 us per copy.
+        labels, perm = self.sorted_labels(ORDER)
+        groups = list(self.spans(labels, perm, Label.SLOT, Label.SITE))
+        by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
+        for g, (_, slot, site, start, end, first, index) in enumerate(groups):
+            if index is None:
+                by_block.setdefault((site, self.formats[(slot, site)]), []).append(
+                    (first, end - start, g))
+        data: dict[int, torch.Tensor] = {}
+        for key, members in by_block.items():
+            members.sort()
+            lo, hi = members[0][0], max(first + n for first, n, _ in members)
+            data.update(_split(self._cut(self.rows[lo:hi], key[1]), lo, members))
+        # .copy(): numpy calls a 1-element column contiguous and keeps its stride of 3,
+        # which vLLM's tensor serialiser then refuses (a step of one captured row).
+        positions = _split(torch.from_numpy(labels[:, Label.POSITION].copy()), 0,
+                           [(start, end - start, g) for g, (*_, start, end, _, _)
+                            in enumerate(groups)])
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for g, (req, slot, site, start, end, first, index) in enumerate(groups):
+            rows = data[g] if index is None else \
+                self._cut(self.rows[torch.from_numpy(index)], self.formats[(slot, site)])
+            name = self.site_names[site]
+            out.setdefault(req, {})[name] = rows
+            out[req][positions_key(name)] = positions[g]
+        return out
+
+    @staticmethod
+    def _cut(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+        """Rows in an output format, as a new contiguous tensor: [rows, width], or for
+        attention sites [rows, heads, head_dim] of the chosen heads."""
+        dtype, width, heads, head_dim = fmt
+        data = rows[:, :width]
+        if head_dim:  # a step's rows narrowed to another site's columns may end mid-head
+            data = data[:, :data.shape[1] // head_dim * head_dim]
+            data = data.reshape(len(rows), -1, head_dim)
+            if heads is not None:  # the copy takes the chosen heads only
+                # Runs of adjacent heads as slice copies: advanced indexing (aten::index)
+                # was the top host op of a qk prefill step on the H200 host, and 11x
+                # slower here than copying the same 4 adjacent heads as one slice.
+                out = torch.empty((len(rows), len(heads), head_dim), dtype=dtype)
+                for dst, src, n in _head_runs(heads):
+                    out[:, dst:dst + n].copy_(data[:, src:src + n])
+                return out
+        return data.to(dtype, copy=True).contiguous()
+
+
+def columns(fmt: RowFormat) -> int:
+    """Buffer columns an output format reads: its site's width, or with chosen heads up
+    to the last of them (rows hold every head in order; _cut takes the chosen ones)."""
+    _, width, heads, head_dim = fmt
+    return width if heads is None else (max(heads) + 1) * head_dim
+
+
+@functools.lru_cache(maxsize=256)
+def _head_runs(heads: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(output index, source head, count) per run of consecutive heads, in the order
+    asked: (0, 1, 2, 3) is one run, (5, 2, 3) two."""
+    runs: list[list[int]] = []
+    for i, h in enumerate(heads):
+        if runs and h == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, h, 1])
+    return tuple(tuple(r) for r in runs)
+
+
+def _split(t: torch.Tensor, lo: int, members: list[tuple[int, int, int]]) -> dict:
+    """Views of t's rows: {key: t[first - lo:first - lo + n]} for (first, n, key) in
+    members (sorted by first, not overlapping), made by one split call (a Python slice
+    per group cost ~1.5 us each here: 192 groups per decode step of 64 requests x 3
+    sites); the sizes include the gaps between members."""
+    sizes, keys, cursor = [], [], lo
+    for first, n, key in members:
+        if first > cursor:
+            sizes.append(first - cursor)
+            keys.append(None)
+        sizes.append(n)
+        keys.append(key)
+        cursor = first + n
+    if cursor - lo < t.shape[0]:
+        sizes.append(t.shape[0] - (cursor - lo))
+        keys.append(None)
+    return {k: part for k, part in zip(keys, t.split(sizes)) if k is not None}

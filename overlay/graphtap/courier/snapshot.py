@@ -1,0 +1,165 @@
+"""One step's labelled device rows on their way home: cloned on the main stream after the
+forward, copied to the host on vLLM's output copy stream, split per request once the
+copy is done (vllm's HookStepOutput protocol).
+
+Every row carries its label from the device (ops.tables.Label), and the step's own
+batch maps slots to request ids, so attribution never comes from expected lengths
+(EasySteer's bug). The per-request split is the one consumer today; a bulk sink (device
+-> pinned -> disk) would be a second consumer of the same host rows and labels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
+
+
+class StepSnapshots:
+    """The snapshots of one step (rows, patterns), handed to vLLM's courier as one."""
+
+    def __init__(self, parts: list["LabelledStep"]):
+        self.parts = parts
+
+    # Named ranges: profile_capture.py reads where the courier's host time goes.
+    def to_cpu_nonblocking(self) -> None:
+        with torch.profiler.record_function("graphtap.to_cpu"):
+            for part in self.parts:
+                part.to_cpu_nonblocking()
+
+    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        with torch.profiler.record_function("graphtap.per_request"):
+            for part in self.parts:
+                part.release_device()  # the copy is done (after the copy event)
+                for req, tensors in part.per_request().items():
+                    out.setdefault(req, {}).update(tensors)
+        return out
+
+
+@dataclass
+class StepRows:
+    """What a row family hands the courier after a step (device tensors, cloned)."""
+
+    rows: torch.Tensor  # [bound, columns] the step's used rows, the columns its formats read
+    labels: torch.Tensor  # [bound, host label columns]
+    count: torch.Tensor  # [1] units the step wanted
+    slot_to_req: dict[int, str]  # every request of the batch with entries in the family
+    formats: dict[tuple[int, int], tuple]  # (slot, site) -> the family's output format
+    site_names: dict[int, str]
+    capacity: int  # the buffer's rows
+    overflow_kind: OverflowKind
+
+
+class LabelledStep:
+    """One family's step rows: copied home, then split per request (`per_request`, by
+    the family's subclass)."""
+
+    def __init__(self, step: StepRows):
+        self.rows, self.labels, self.count = step.rows, step.labels, step.count
+        self.slot_to_req, self.formats = step.slot_to_req, step.formats
+        self.site_names, self.capacity = step.site_names, step.capacity
+        self.overflow_kind = step.overflow_kind
+        self._device = None
+
+    def to_cpu_nonblocking(self) -> None:
+        # The device clones must stay referenced until the copy has run: the copy is
+        # queued on the output copy stream, and a block freed now would go back to the
+        # main stream's pool and be overwritten by the next step first (the garbage
+        # counts and lost rows seen on the H200 before this). Released in per_request,
+        # which runs after the copy event.
+        self._device = (self.rows, self.labels, self.count)
+        self.rows = self.rows.to("cpu", non_blocking=True)
+        self.labels = self.labels.to("cpu", non_blocking=True)
+        self.count = self.count.to("cpu", non_blocking=True)
+
+    def release_device(self) -> None:
+        self._device = None
+
+    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def overflow(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Rows were lost: say so for every request with entries (never a partial
+        result)."""
+        wanted, room = int(self.count[0]), min(self.capacity, self.rows.shape[0])
+        if wanted <= room:
+            return None
+        kind = self.overflow_kind if wanted > self.capacity else OverflowKind.HOST_BOUND
+        flag = Overflow(kind, wanted, room).to_tensor()
+        return {req: {OVERFLOW: flag} for req in self.slot_to_req.values()}
+
+    def sorted_labels(self, order: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The used rows' labels sorted by the columns `order` (most significant
+        first), and the permutation that sorts them (sorted i = buffer row perm[i]).
+        Groups (the first two columns) may come in any order: spans() needs each one
+        contiguous and sorted inside, which the device order usually already is."""
+        used = min(int(self.count[0]), self.rows.shape[0])
+        labels = self.labels[:used].numpy()
+        if grouped_in_order(labels, order):
+            return labels, np.arange(used)
+        perm = np.lexsort(tuple(labels[:, c] for c in reversed(order)))
+        return labels[perm], perm
+
+    def spans(self, labels: np.ndarray, perm: np.ndarray, slot_col: int, site_col: int):
+        """Per (slot, site) of a live request, over sorted_labels(): (request id, slot,
+        site, start, end, first, index), the group being labels[start:end]; index None
+        where the device wrote the group in order (the usual case: a request's tokens
+        are adjacent in the batch), its rows then being first, first + 1, ...; else
+        the rows' indices in order."""
+        if not len(labels):
+            return
+        keys = group_keys(labels[:, slot_col], labels[:, site_col])
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        ends = np.r_[starts[1:], len(labels)]
+        # A group is a plain slice when its rows sit in order in the buffer: no break
+        # (a step other than +1 in perm) inside it. Vectorised: one pass per step, not
+        # per group (a decode step of 64 requests x 3 sites has 192 one-row groups).
+        breaks = np.r_[0, np.cumsum(np.diff(perm) != 1)]
+        in_order = (breaks[ends - 1] - breaks[starts]) == 0
+        for start, end, slot, site, plain, first in zip(
+                starts.tolist(), ends.tolist(), labels[starts, slot_col].tolist(),
+                labels[starts, site_col].tolist(), in_order.tolist(), perm[starts].tolist()):
+            req = self.slot_to_req.get(slot)
+            if req is not None:
+                yield req, slot, site, start, end, first, None if plain else perm[start:end]
+
+    def groups(self, order: tuple[int, ...], slot_col: int, site_col: int):
+        """(request id, slot, site, labels, rows) per group, rows sorted by `order`: a
+        view of the pinned step copy where in order, else a gathered copy."""
+        labels, perm = self.sorted_labels(order)
+        for req, slot, site, start, end, first, index in self.spans(labels, perm, slot_col,
+                                                                    site_col):
+            rows = self.rows[first:first + end - start] if index is None else \
+                self.rows[torch.from_numpy(index)]
+            yield req, slot, site, labels[start:end], rows
+
+
+def group_keys(slot: np.ndarray, site: np.ndarray) -> np.ndarray:
+    """One int64 per (slot, site) pair (slots and sites stay far below the factor)."""
+    return slot.astype(np.int64) * 1_000_003 + site
+
+
+def grouped_in_order(labels: np.ndarray, order: tuple[int, ...]) -> bool:
+    """Whether each (order[0], order[1]) group of the rows is one contiguous run, sorted
+    by the remaining columns of `order` inside it: the usual step, whose rows the device
+    writes site-major with each request's tokens adjacent and in position order. Checked
+    in a few O(n) passes instead of sorting (lexsort of a qk prefill step's 8k labels
+    was a quarter of its split here)."""
+    if len(labels) < 2:
+        return True
+    a, b, *rest = (labels[:, k] for k in order)
+    same = (a[1:] == a[:-1]) & (b[1:] == b[:-1])
+    # inside a group, the remaining columns must be non-decreasing lexicographically
+    greater = np.zeros(len(labels) - 1, dtype=bool)
+    equal = np.ones(len(labels) - 1, dtype=bool)
+    for c in rest:
+        greater |= equal & (c[1:] > c[:-1])
+        equal &= c[1:] == c[:-1]
+    if not np.all(~same | greater | equal):
+        return False
+    starts = np.flatnonzero(np.r_[True, ~same])
+    keys = group_keys(a[starts], b[starts])
+    return len(np.unique(keys)) == len(keys)  # no group split over two runs

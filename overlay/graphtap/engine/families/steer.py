@@ -1,0 +1,50 @@
+"""Steering: per-request entries in the slot block and the resident vectors. The op
+(ops/steer*.py) reads them with the router's token -> slot map and evaluates position
+rules from each token's actual position, so chunked prefill, preemption and speculative
+decoding need nothing here."""
+from __future__ import annotations
+
+from graphtap.engine.families.vectors import VectorBank
+from graphtap.engine.family import FamilyBase
+from graphtap.engine.tables import EngineTables
+from graphtap.spec.entries import NormalisedSpec
+from graphtap.spec.positions import position_bitmap
+from graphtap.spec.sites import SiteTable
+
+
+class SteerFamily(FamilyBase):
+    name = "steer"
+
+    def __init__(self, tables: EngineTables, sites: SiteTable):
+        self.t = tables.ops.steer
+        self.slots, self.fields = tables.slots, tables.steer
+        self.sites = sites
+        self.bank = VectorBank(self.t)
+        self._keys: dict[str, list[str]] = {}  # req_id -> vector keys it holds
+
+    def add_request(self, slot: int, req_id: str, prompt_len: int,
+                    spec: NormalisedSpec) -> None:
+        self.remove_request(req_id)
+        f, host = self.fields, self.slots.host_view
+        self.slots.reset(slot, [f.site, f.vec, f.coef, f.pos])
+        site, vec, coef, pos = (host(x)[slot] for x in (f.site, f.vec, f.coef, f.pos))
+        keys = []
+        for i, s in enumerate(spec.steer):
+            site[i] = self.sites.id_of(s.layer, s.kind)
+            vec[i] = self.bank.acquire(s.key, s.vector)
+            coef[i] = (s.a, s.lo, s.hi)
+            pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
+            keys.append(s.key)
+        if keys:
+            self._keys[req_id] = keys
+
+    def remove_request(self, req_id: str) -> None:
+        for key in self._keys.pop(req_id, []):
+            self.bank.release(key)
+
+    def apply_staged_writes(self) -> None:
+        self.bank.apply()
+
+    def plan(self, input_batch) -> bool:
+        """Whether a request of the batch steers: the router must then map its tokens."""
+        return bool(self._keys) and any(r in self._keys for r in input_batch.req_ids)

@@ -1,0 +1,164 @@
+"""graphtap's hook manager, worker side (graphtap.seam is vLLM's entry point).
+
+The runner builds it right after the model (before profiling, compile and capture), so
+every table exists, at its final address, before the first trace. It holds the engine's
+tables, the token router and a list of hook families, and loops over them at every call
+of the seam; it decides at trace time, from configuration only, which ops the graph gets.
+"""
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.hook_slots import hook_layer_index
+from vllm.v1.worker.gpu.hooks import HookManager, hook_config
+
+import graphtap.ops  # noqa: F401  registers the graph ops before any trace
+from graphtap.config import HookConfig, load_hook_config
+from graphtap.courier import StepSnapshots
+from graphtap.engine.families.capture import CaptureFamily
+from graphtap.engine.families.pattern import PatternFamily
+from graphtap.engine.families.steer import SteerFamily
+from graphtap.engine.router import TokenRouter
+from graphtap.engine.tables import Sizes, allocate
+from graphtap.ops.backend import select_backend
+from graphtap.spec.entries import NormalisedSpec
+from graphtap.spec.sites import PATTERN, RESID_KINDS
+
+logger = init_logger(__name__)
+
+
+def _sizes(vllm_config, config: HookConfig, num_sites: int, patterns: bool,
+           capture_width: int) -> Sizes:
+    mc, sc, pc = vllm_config.model_config, vllm_config.scheduler_config, \
+        vllm_config.parallel_config
+    max_tokens = max(sc.max_num_batched_tokens,
+                     vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+    return Sizes(max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_len=mc.max_model_len,
+                 num_sites=num_sites, hidden=mc.get_hidden_size(), dtype=mc.dtype,
+                 max_steers=config.max_steers, max_vectors=config.max_vectors,
+                 max_captures=config.max_captures, capture_rows=config.capture_rows,
+                 capture_width=capture_width, pattern_rows=config.pattern_rows,
+                 num_heads=mc.get_num_attention_heads(pc), patterns=patterns)
+
+
+def _widths(vllm_config) -> dict[str, tuple[int, int]]:
+    """Row width and head_dim (0: no heads) of each capturable kind."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    d = mc.get_head_size()
+    q, kv = mc.get_num_attention_heads(pc) * d, mc.get_num_kv_heads(pc) * d
+    return {**{k: (mc.get_hidden_size(), 0) for k in RESID_KINDS},
+            "attn_q": (q, d), "attn_z": (q, d), "attn_k": (kv, d), "attn_v": (kv, d)}
+
+
+class EngineHooks(HookManager):
+    """The worker half of vLLM's HookManager: graph-safe steering, captures and patterns
+    (graphtap.seam adds the frontend half)."""
+
+    def __init__(self, vllm_config, model, device):
+        super().__init__(vllm_config, model, device)
+        device = torch.device(device)
+        self.config = load_hook_config(hook_config(vllm_config))
+        mc = vllm_config.model_config
+        self.sites = self.config.site_table(mc.hf_text_config.num_hidden_layers)
+        attn_sites = [s.name for s in self.sites.sites if not s.is_residual]
+        if attn_sites and vllm_config.parallel_config.tensor_parallel_size > 1:
+            # Each rank holds a slice of the heads and only rank 0's output returns.
+            raise ValueError(f"hook_config.sites: attention sites ({attn_sites[0]}, ...) need "
+                             f"tensor_parallel_size=1; graphtap does not gather heads across "
+                             f"ranks yet (residual sites work with any TP size)")
+        patterns = any(s.kind == PATTERN for s in self.sites.sites)
+        backend = select_backend(device)
+        widths = _widths(vllm_config)
+        tables = allocate(_sizes(vllm_config, self.config, len(self.sites), patterns,
+                                 max(w for w, _ in widths.values())), backend, device)
+        self.op_tables = tables.ops  # what the graph ops read (ops/running.py)
+        self.slots = tables.slots
+        self.router = TokenRouter(tables.ops)
+        rows = dict(backend=backend, sites=self.sites, max_len=mc.max_model_len,
+                    model_dtype=mc.dtype)
+        self.families = [
+            SteerFamily(tables, self.sites),
+            CaptureFamily(tables.ops.capture, tables.capture, tables.slots,
+                          widths=widths, **rows)]
+        if patterns:
+            self.families.append(PatternFamily(tables.ops.pattern, tables.pattern, tables.slots,
+                                               key_caches=tables.ops.key_caches, **rows))
+        logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB",
+                    len(self.sites), [f.name for f in self.families], backend.name,
+                    tables.ops.nbytes() / 2**20)
+
+    # ---------------------------------------------------------------- trace time
+    def residual_slot(self, layer, kind, positions, hidden_states, residual) -> None:
+        # Emits ops only for configured sites (static, not data).
+        site = self.sites.id_for_slot(layer, kind)
+        if site is None:
+            return
+        # The stream is residual + hidden_states; in the first layer's input, hidden_states
+        # alone. Steer first, then capture what flows on.
+        x, other = (hidden_states, None) if residual is None else (residual, hidden_states)
+        torch.ops.graphtap.steer_resid_(x, other, positions, site)
+        torch.ops.graphtap.capture_resid_(x, other, site)
+
+    def attention_slot(self, layer_name, kind, sink, *tensors) -> None:
+        layer = hook_layer_index(layer_name)
+        if kind == "z":
+            site = self.sites.id_for_slot(layer, "attn_z")
+            if site is not None:
+                torch.ops.graphtap.capture_resid_(sink, None, site)
+            site = self.sites.id_for_slot(layer, PATTERN)
+            if site is not None and tensors and tensors[0] is not None:
+                torch.ops.graphtap.capture_pattern_(sink, tensors[0], site)
+            return
+        for name, tensor in zip(("attn_q", "attn_k", "attn_v"), tensors):
+            site = self.sites.id_for_slot(layer, name)
+            if site is not None and tensor is not None:
+                torch.ops.graphtap.capture_into_(sink, tensor, site)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, req_index, new_req_data) -> None:
+        params = new_req_data.sampling_params
+        spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
+        for family in self.families:
+            family.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, spec)
+        self.router.invalidate()  # the slot's meaning changed
+
+    def remove_request(self, req_id) -> None:
+        for family in self.families:
+            family.remove_request(req_id)
+
+    def apply_staged_writes(self) -> None:
+        self.slots.apply()
+        for family in self.families:
+            family.apply_staged_writes()
+
+    def bind_kv_caches(self, layers) -> None:
+        for family in self.families:
+            family.bind_kv_caches(layers)
+
+    # ---------------------------------------------------------------- steps
+    def prepare_step(self, input_batch, dummy_run) -> None:
+        with torch.profiler.record_function("graphtap.prepare_step"):
+            plans = [None] * len(self.families) if dummy_run else \
+                [family.plan(input_batch) for family in self.families]
+            if any(plans):
+                self.router.route(input_batch)
+            else:
+                self.router.deactivate()
+            for family, plan in zip(self.families, plans):
+                if plan:
+                    family.route(input_batch, self.router, plan)
+                else:
+                    family.deactivate()
+
+    def prepare_capture(self) -> None:
+        self.router.deactivate()
+        for family in self.families:
+            family.deactivate()
+
+    def collect(self, input_batch, dummy_run):
+        if dummy_run:
+            return None
+        with torch.profiler.record_function("graphtap.collect"):  # profile_capture.py
+            parts = [p for p in (family.snapshot() for family in self.families)
+                     if p is not None]
+            return StepSnapshots(parts) if parts else None

@@ -1,0 +1,147 @@
+"""What captures and attention patterns share: per-request entries in the slot block, the
+host-side step plan (engine/wanted.py), the device routing of their units (one router,
+ops/route*.py), and the step's rows handed to the courier.
+
+Every buffer row is labelled on the device as it is routed; the host maps slots to request
+ids with the step's own batch, so attribution never comes from expected lengths. Position
+rules are evaluated from each token's actual position, so chunked prefill and
+recomputation after preemption capture what really ran.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from graphtap.courier import LabelledStep, OverflowKind, StepRows
+from graphtap.engine.family import FamilyBase
+from graphtap.engine.slots import SlotBlock
+from graphtap.engine.tables import EntryFields
+from graphtap.engine.wanted import Wants, positions_end, rows_in_step
+from graphtap.ops.tables import Label, RowTables
+from graphtap.spec.entries import NormalisedSpec
+from graphtap.spec.positions import position_bitmap
+from graphtap.spec.sites import SiteTable
+
+
+class RowFamily(FamilyBase):
+    """A family whose ops write labelled rows; subclasses say which entries are theirs
+    and what each becomes (`entries`, `describe`, `kind_of`, `step_class`, ...)."""
+
+    step_class: type[LabelledStep]
+    overflow_kind: OverflowKind
+    host_labels: int  # label columns the courier reads
+
+    def __init__(self, tables: RowTables, fields: EntryFields, slots: SlotBlock,
+                 backend, sites: SiteTable, max_len: int, model_dtype: torch.dtype):
+        self.t, self.fields, self.slots = tables, fields, slots
+        self.backend, self.sites = backend, sites
+        self.max_len, self.model_dtype = max_len, model_dtype
+        self.site_names = sites.names()
+        self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
+        self._cols: dict[int, int] = {}  # slot -> buffer columns its formats read
+        self._slot_of: dict[str, int] = {}
+        self._wanted: dict[str, Wants] = {}  # req_id -> positions its entries want
+        # slot -> past its last wanted position, 0 without entries (rows_in_step's
+        # one-pass prefilter)
+        self._ends = np.zeros(tables.entry_site.shape[0], np.int64)
+        # (slot -> req_id, row bound, positions end) of the current step
+        self._step: tuple | None = None
+        self._idle = True
+        if backend.name != "torch":  # compile the routing kernels now, at start
+            sentinel = torch.full((1,), tables.entry_site.shape[0] - 1,
+                                  device=tables.buf.device)
+            backend.route_rows(tables, sentinel, torch.zeros_like(sentinel),
+                               torch.zeros_like(sentinel), max_len)
+
+    # ---------------------------------------------------------------- subclass parts
+    def entries(self, spec: NormalisedSpec) -> tuple:
+        raise NotImplementedError
+
+    def kind_of(self, entry) -> str:
+        raise NotImplementedError
+
+    def describe(self, entry, dtype: torch.dtype) -> tuple[tuple, int]:
+        """(output format, rows per wanted token) of an entry."""
+        raise NotImplementedError
+
+    def write_extra(self, slot: int, i: int, entry) -> None:
+        """Fields beyond site and positions (patterns: the chosen heads)."""
+
+    def columns(self, slots, hi: int) -> int | None:
+        """Buffer columns the step's rows can use (slots: the batch's requests with
+        entries; hi: past the step's last position); None: all."""
+        return None
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, slot: int, req_id: str, prompt_len: int,
+                    spec: NormalisedSpec) -> None:
+        self.remove_request(req_id)
+        f = self.fields
+        self.slots.reset(slot, [x for x in (f.site, f.pos, f.heads) if x is not None])
+        site, pos = self.slots.host_view(f.site)[slot], self.slots.host_view(f.pos)[slot]
+        formats, wanted = {}, Wants(self.max_len)
+        entries = self.entries(spec)
+        for i, entry in enumerate(entries):
+            sid = self.sites.id_of(entry.layer, self.kind_of(entry))
+            dtype = self.model_dtype if entry.dtype == "model" else torch.float32
+            site[i] = sid
+            pos[i] = position_bitmap(entry.positions, prompt_len, self.max_len, pos.shape[1])
+            self.write_extra(slot, i, entry)
+            formats[sid], per_token = self.describe(entry, dtype)
+            wanted.add(entry.positions, prompt_len, per_token)
+        self._ends[slot] = wanted.end if entries else 0
+        if entries:
+            self._formats[slot] = formats
+            self._slot_of[req_id] = slot
+            self._wanted[req_id] = wanted
+
+    def remove_request(self, req_id: str) -> None:
+        if req_id in self._slot_of:
+            slot = self._slot_of.pop(req_id)
+            self._formats.pop(slot, None)
+            self._cols.pop(slot, None)
+            self._ends[slot] = 0
+            del self._wanted[req_id]
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._slot_of
+
+    # ---------------------------------------------------------------- steps
+    def plan(self, input_batch) -> list[tuple[int, str, int]]:
+        """(batch row, request id, row bound) of the requests that may want rows now."""
+        return rows_in_step(self._wanted, input_batch, self._ends) if self._wanted else []
+
+    def route(self, input_batch, router, plan) -> None:
+        n = input_batch.num_tokens_after_padding
+        self.backend.route_rows(self.t, router.tok_slot[:n], router.tok_row[:n],
+                                input_batch.positions[:n], self.max_len)
+        self._idle = False
+        bound = min(sum(rows for _, _, rows in plan), self.t.rows)
+        # Rows are attributed (and overflow reported) for every request of the batch
+        # with entries, not only those the host expects to want rows now: the device
+        # routes them all, so a wrong host window can cost a step's bound (reported as
+        # a graphtap bug) but never drop a live request's rows silently.
+        in_batch = {self._slot_of[r]: r for r in input_batch.req_ids if r in self._slot_of}
+        self._step = (in_batch, bound, positions_end(input_batch, self.max_len))
+
+    def deactivate(self) -> None:
+        if not self._idle:
+            if self.t.dst is not None:
+                self.t.dst.fill_(self.t.rows)
+            self.t.labels[:, Label.SITE].fill_(-1)
+            self._idle = True
+        self._step = None
+
+    def snapshot(self) -> LabelledStep | None:
+        """Clone the step's used rows, and of them the columns its requests can use: the
+        clone, the copy home and its pinned buffer shrink with them."""
+        if self._step is None:
+            return None
+        slot_to_req, bound, hi = self._step
+        rows = self.t.buf[:bound, :self.columns(slot_to_req, hi)]
+        formats = {(s, site): f for s in slot_to_req for site, f in self._formats[s].items()}
+        # Clones on the main stream: the next step reuses the buffer (async scheduling).
+        return self.step_class(StepRows(
+            rows.clone(), self.t.labels[:bound, :self.host_labels].clone(),
+            self.t.count.clone(), slot_to_req, formats, self.site_names, self.t.rows,
+            self.overflow_kind))

@@ -1,0 +1,114 @@
+"""Every table of one engine, allocated once in the hook manager's constructor, which the
+runner calls right after building the model: before memory profiling (so the memory is
+accounted), the first trace and any graph capture, at addresses that never change."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphtap.engine.slots import SlotBlock, SlotField, SlotLayout
+from graphtap.ops.backend import Backend
+from graphtap.ops.tables import (LABEL_DTYPE, LABELS, ROUTE_MIN_BLOCK, Label, OpTables, RowTables,
+                                 SteerTables)
+from graphtap.spec.positions import bitmap_words
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The engine's table sizes, from vLLM's config and hook_config."""
+
+    max_reqs: int  # request slots (max_num_seqs); one more is the sentinel
+    max_tokens: int  # token rows of a step (batched tokens, or the largest graph)
+    max_len: int  # max_model_len: positions the bitmaps cover
+    num_sites: int
+    hidden: int
+    dtype: torch.dtype  # the model's
+    max_steers: int
+    max_vectors: int
+    max_captures: int
+    capture_rows: int
+    capture_width: int  # the widest configured capture site
+    pattern_rows: int
+    num_heads: int  # query heads of this rank (pattern head selection)
+    patterns: bool  # whether a pattern site is configured
+
+
+@dataclass(frozen=True)
+class SteerFields:
+    site: SlotField
+    vec: SlotField
+    coef: SlotField
+    pos: SlotField
+
+
+@dataclass(frozen=True)
+class EntryFields:
+    """A row family's per-slot entries."""
+
+    site: SlotField
+    pos: SlotField
+    heads: SlotField | None
+
+
+@dataclass
+class EngineTables:
+    """The engine's tables: what its ops read, and the staged block of per-slot rows."""
+
+    ops: OpTables
+    slots: SlotBlock
+    steer: SteerFields
+    capture: EntryFields
+    pattern: EntryFields | None
+
+
+def _entries(layout: SlotLayout, count: int, words: int, heads: int | None) -> EntryFields:
+    return EntryFields(layout.reserve((count,), torch.int32, -1),
+                       layout.reserve((count, words), torch.int32, 0),
+                       None if heads is None else layout.reserve((count, heads), torch.int32, 0))
+
+
+def _rows(s: Sizes, block: SlotBlock, fields: EntryFields, rows: int, width: int,
+          dtype: torch.dtype, scatter: bool, device) -> RowTables:
+    sites = max(s.num_sites, 1)
+    labels = torch.zeros((rows + 1, LABELS), dtype=LABEL_DTYPE, device=device)
+    labels[:, Label.SITE] = -1
+    return RowTables(
+        entry_site=block.view(fields.site), entry_pos=block.view(fields.pos),
+        entry_heads=None if fields.heads is None else block.view(fields.heads),
+        dst=torch.full((sites, s.max_tokens), rows, dtype=torch.int64, device=device)
+        if scatter else None,
+        labels=labels, count=torch.zeros((1,), dtype=torch.int64, device=device),
+        buf=torch.zeros((rows + 1, width), dtype=dtype, device=device),
+        flags=torch.zeros((sites, s.max_tokens), dtype=torch.int32, device=device),
+        block_counts=torch.zeros((sites * -(-s.max_tokens // ROUTE_MIN_BLOCK),),
+                                 dtype=torch.int32, device=device),
+        num_sites=sites)
+
+
+def allocate(s: Sizes, backend: Backend, device: torch.device) -> EngineTables:
+    words = bitmap_words(s.max_len)
+    layout = SlotLayout()
+    steer = SteerFields(layout.reserve((s.max_steers,), torch.int32, -1),
+                        layout.reserve((s.max_steers,), torch.int32, 0),
+                        # (a, lo, hi) of an unused entry: no change
+                        layout.reserve((s.max_steers, 3), torch.float32,
+                                       (0.0, -float("inf"), float("inf"))),
+                        layout.reserve((s.max_steers, words), torch.int32, 0))
+    capture = _entries(layout, s.max_captures, words, None)
+    pattern = _entries(layout, s.max_captures, words, s.num_heads) if s.patterns else None
+    block = SlotBlock(layout, s.max_reqs + 1, device)
+    f32 = dict(dtype=torch.float32, device=device)
+    ops = OpTables(
+        tok_slot=torch.full((s.max_tokens,), s.max_reqs, dtype=torch.int64, device=device),
+        tok_row=torch.zeros((s.max_tokens,), dtype=torch.int64, device=device),
+        steer=SteerTables(site=block.view(steer.site), vec=block.view(steer.vec),
+                          coef=block.view(steer.coef), pos=block.view(steer.pos),
+                          bank=torch.zeros((s.max_vectors + 1, s.hidden), dtype=s.dtype,
+                                           device=device),
+                          inv_norm=torch.zeros((s.max_vectors + 1,), **f32), max_len=s.max_len),
+        capture=_rows(s, block, capture, s.capture_rows, s.capture_width, s.dtype, True, device),
+        pattern=_rows(s, block, pattern, s.pattern_rows, s.max_len, torch.float32, False, device)
+        if pattern is not None else None,
+        backend=backend)
+    return EngineTables(ops, block, steer, capture, pattern)

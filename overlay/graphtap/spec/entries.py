@@ -1,0 +1,87 @@
+"""What the engine receives: a request's spec normalised into typed entries, one list per
+hook family, data only.
+
+The frontend builds a `NormalisedSpec`; it travels to the worker inside
+`SamplingParams.hooks` as plain msgpack data (`to_wire`: no pickles, vectors as float32
+bytes) and is typed again there (`from_wire`). The family of a capture is chosen by its
+site's kind (`Site.capture_family`), once, in `normalise`.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+FORMAT = 2
+
+
+class Span(msgspec.Struct, frozen=True):
+    """Positions start <= p < end."""
+
+    start: int
+    end: int
+
+
+# "all" | "prompt" | "generated" | "last_prompt", a span, or sorted unique positions
+PositionRule = Union[str, Span, tuple[int, ...]]
+
+
+class SteerEntry(msgspec.Struct, frozen=True):
+    """delta = a*v + (clamp(<h, v_hat>, lo, hi) - <h, v_hat>) * v_hat at the positions."""
+
+    layer: int
+    kind: str
+    vector: bytes  # float32, native byte order
+    key: str  # content hash of vector: the resident table's key
+    a: float
+    lo: float
+    hi: float
+    positions: PositionRule
+
+
+class CaptureEntry(msgspec.Struct, frozen=True):
+    """Rows of one site (residual, q, k, v or z) copied out at the positions."""
+
+    layer: int
+    kind: str
+    name: str
+    dtype: str  # "model" or "float32"
+    heads: tuple[int, ...] | None  # attention sites: chosen heads, ascending; None: all
+    positions: PositionRule
+
+
+class PatternEntry(msgspec.Struct, frozen=True):
+    """Attention probabilities of the chosen query heads at the query positions."""
+
+    layer: int
+    name: str
+    dtype: str
+    heads: tuple[int, ...]  # query heads, ascending
+    positions: PositionRule
+
+
+class NormalisedSpec(msgspec.Struct, frozen=True):
+    """A request's entries per family, and where its captures are saved."""
+
+    format: int = FORMAT
+    steer: tuple[SteerEntry, ...] = ()
+    capture: tuple[CaptureEntry, ...] = ()
+    pattern: tuple[PatternEntry, ...] = ()
+    save_to: str | None = None
+
+    @property
+    def captures_anything(self) -> bool:
+        return bool(self.capture or self.pattern)
+
+    def to_wire(self) -> dict:
+        return msgspec.to_builtins(self, builtin_types=(bytes,))
+
+    @classmethod
+    def from_wire(cls, raw) -> "NormalisedSpec":
+        """The worker's view of `SamplingParams.hooks` (None or empty: no entries)."""
+        if not raw:
+            return EMPTY
+        return raw if isinstance(raw, cls) else msgspec.convert(raw, cls)
+
+
+EMPTY = NormalisedSpec()

@@ -1,0 +1,156 @@
+"""What a user writes: the request spec's schema (pydantic), parsed with errors that name
+the field.
+
+In `SamplingParams.hooks`, or as a JSON string in `extra_args["hooks"]` / `vllm_xargs`
+over HTTP:
+
+    {"steer": [{"site": "blocks.2.hook_resid_post", "op": "add", "vector": [...],
+                "scale": 4.0, "positions": "all"}],
+     "capture": [{"site": "blocks.12.hook_resid_post", "positions": "last_prompt"}]}
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+OPS = ("add", "set_projection", "ablate", "clamp")
+NAMED_POSITIONS = ("all", "prompt", "generated", "last_prompt")
+
+
+class PositionRange(BaseModel):
+    """Positions start <= p < end (end exclusive, like a Python slice)."""
+
+    model_config = ConfigDict(extra="forbid")
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.end <= self.start:
+            raise ValueError(f"end ({self.end}) must be greater than start ({self.start})")
+        return self
+
+
+def _parse_positions(p: Any):
+    """Dispatch on the JSON type, so an error speaks about the form the user chose."""
+    if isinstance(p, str):
+        if p not in NAMED_POSITIONS:
+            raise ValueError(f"{p!r} is not one of {', '.join(NAMED_POSITIONS)}")
+        return p
+    if isinstance(p, dict) or isinstance(p, PositionRange):
+        return PositionRange.model_validate(p)
+    if isinstance(p, list):
+        if not p:
+            raise ValueError("an empty list selects nothing")
+        bad = next((x for x in p if isinstance(x, bool) or not isinstance(x, int) or x < 0), None)
+        if bad is not None:
+            raise ValueError(f"positions must be integers >= 0, got {bad!r}")
+        return list(p)
+    raise ValueError("expected a name, a list of positions or {\"start\": s, \"end\": e}")
+
+
+class Steer(BaseModel):
+    """One edit of the residual stream at one site."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    site: str
+    op: Literal["add", "set_projection", "ablate", "clamp"]
+    vector: list[float] = Field(min_length=1)
+    scale: float = 1.0
+    target: float | None = None
+    min: float | None = None
+    max: float | None = None
+    positions: Any = "all"
+
+    @field_validator("positions", mode="before")
+    @classmethod
+    def _positions(cls, p: Any):
+        return _parse_positions(p)
+
+    @field_validator("vector")
+    @classmethod
+    def _finite(cls, v: list[float]) -> list[float]:
+        bad = next((i for i, x in enumerate(v) if not math.isfinite(x)), None)
+        if bad is not None:
+            raise ValueError(f"element {bad} is {v[bad]}: vectors must be finite")
+        return v
+
+    @field_validator("scale", "target", "min", "max")
+    @classmethod
+    def _finite_number(cls, x: float | None) -> float | None:
+        if x is not None and not math.isfinite(x):
+            raise ValueError(f"must be finite, got {x}")
+        return x
+
+    @model_validator(mode="after")
+    def _op_fields(self):
+        if self.op == "set_projection" and self.target is None:
+            raise ValueError("op 'set_projection' needs 'target'")
+        if self.op == "clamp":
+            if self.min is None or self.max is None:
+                raise ValueError("op 'clamp' needs 'min' and 'max'")
+            if self.min > self.max:
+                raise ValueError(f"clamp min ({self.min}) is greater than max ({self.max})")
+        if self.op in ("set_projection", "ablate", "clamp") and not any(self.vector):
+            raise ValueError(f"op {self.op!r} needs a non-zero vector (it projects on it)")
+        return self
+
+
+class Capture(BaseModel):
+    """Rows of one site returned with the request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    site: str
+    positions: Any = "all"
+    dtype: Literal["model", "float32"] = "model"
+    heads: list[int] | None = Field(None, min_length=1)
+    """Attention sites only: which heads (q, z and pattern: query heads; k and v: KV
+    heads). Default: all."""
+
+    @field_validator("positions", mode="before")
+    @classmethod
+    def _positions(cls, p: Any):
+        return _parse_positions(p)
+
+
+class HookSpec(BaseModel):
+    """A request's whole spec, as the user wrote it."""
+
+    model_config = ConfigDict(extra="forbid")
+    steer: list[Steer] = Field(default_factory=list)
+    capture: list[Capture] = Field(default_factory=list)
+    save_to: str | None = None
+    """Directory for one safetensors file per request (written by the frontend)."""
+
+
+def _loc(loc: tuple) -> str:
+    out = "hooks"
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _pydantic_error(e: ValidationError) -> ValueError:
+    err = e.errors()[0]
+    msg = err["msg"].removeprefix("Value error, ")
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return ValueError(f"{_loc(err['loc'])}: {msg}{more}")
+
+
+def parse_spec(raw: Any) -> HookSpec:
+    if isinstance(raw, (str, bytes)):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hooks: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"hooks: expected an object, got {type(raw).__name__}")
+    try:
+        return HookSpec.model_validate(raw)
+    except ValidationError as e:
+        raise _pydantic_error(e) from None

@@ -1,0 +1,107 @@
+"""Helpers shared by the test modules (none imports another test module)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+MAX_TOKENS = 12
+
+
+def vector(hidden: int, seed: int = 0) -> list[float]:
+    return np.random.default_rng(seed).normal(size=hidden).astype(np.float32).tolist()
+
+
+def run(llm, ids, hooks=None, max_tokens=MAX_TOKENS, **kw):
+    """One greedy request: (tokens, their logprobs)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, hooks=hooks, **kw)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    return tokens, [lp[t].logprob for lp, t in zip(out.logprobs, tokens)]
+
+
+def assert_parity(got, want):
+    (gt, glp), (wt, wlp) = got, want
+    assert gt == wt, f"tokens differ:\n vllm {gt}\n hf   {wt}"
+    assert np.max(np.abs(np.array(glp) - np.array(wlp))) < 1e-4, (glp, wlp)
+
+
+def sizes(**overrides):
+    """Table sizes for engine-less unit tests (graphtap.engine.tables.Sizes)."""
+    from graphtap.engine.tables import Sizes
+
+    base = dict(max_reqs=4, max_tokens=24, max_len=100, num_sites=3, hidden=64,
+                dtype=torch.float32, max_steers=3, max_vectors=5, max_captures=2,
+                capture_rows=10, capture_width=64, pattern_rows=40, num_heads=4, patterns=True)
+    return Sizes(**{**base, **overrides})
+
+
+def engine_tables(**overrides):
+    """An engine's tables on the CPU, torch backend (graphtap.engine.tables.EngineTables)."""
+    from graphtap.engine.tables import allocate
+    from graphtap.ops.backend import TORCH
+
+    return allocate(sizes(**overrides), TORCH, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- a vllm serve process
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, timeout: float = 120):
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@contextmanager
+def vllm_server(model, args: list[str], log_path, start_timeout: float = 300):
+    """`vllm serve MODEL ARGS` on a free loopback port; yields its base URL."""
+    import pytest
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+           "--host", "127.0.0.1", "--port", str(port), *args]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited:\n{open(log_path).read()[-4000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail(f"server did not start:\n{open(log_path).read()[-4000:]}")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
