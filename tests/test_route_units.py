@@ -57,6 +57,28 @@ def test_triton_routing_matches_the_reference(n, rows, heads):
     assert ref.count.item() > 0  # the tables do route something
 
 
+@pytest.mark.parametrize("heads", [False, True], ids=["captures", "patterns"])
+def test_sync_free_reference_labels_the_same_rows(heads):
+    """The GPU's torch routing (GRAPHTAP_TORCH_ROUTING=1) labels every unit without a host
+    sync; the CPU's labels only the wanted ones: the same rows either way."""
+    from graphtap.ops.route import route_rows_reference
+
+    for n, rows in ((37, 500), (96, 20)):
+        compact = tables(1, sites=5, rows=rows, heads=heads)
+        dense = copy.deepcopy(compact)
+        g = torch.Generator().manual_seed(7)
+        slot, brow = torch.randint(0, SLOTS + 1, (n,), generator=g), torch.arange(n) % 5
+        positions = torch.randint(0, 100, (n,), generator=g)
+        route_rows_reference(compact, slot, brow, positions, 100, sync_free=False)
+        route_rows_reference(dense, slot, brow, positions, 100, sync_free=True)
+        used = min(int(compact.count), rows)
+        assert compact.count == dense.count and torch.equal(compact.labels[:used],
+                                                            dense.labels[:used])
+        assert torch.equal(compact.labels[:, Label.SITE], dense.labels[:, Label.SITE])
+        if not heads:
+            assert torch.equal(compact.dst, dense.dst)
+
+
 def test_pattern_units_are_site_major_then_token_then_head():
     from graphtap.ops.route import route_rows_reference
 

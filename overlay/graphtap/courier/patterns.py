@@ -15,7 +15,9 @@ from graphtap.courier.chunks import positions_key, ragged_key
 from graphtap.courier.snapshot import LabelledStep
 from graphtap.ops.tables import Label
 
-ORDER = (Label.SLOT, Label.SITE, Label.POSITION, Label.HEAD)
+# plain ints: numpy indexes with them on every step
+ORDER = (int(Label.SLOT), int(Label.SITE), int(Label.POSITION), int(Label.HEAD))
+SLOT, SITE, POSITION, _ = ORDER
 HOST_LABELS = len(ORDER)  # label columns a pattern step copies home
 
 
@@ -34,9 +36,9 @@ class PatternStep(LabelledStep):
         if lost is not None:
             return lost
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for req, slot, site, labels, rows in self.groups(ORDER, Label.SLOT, Label.SITE):
+        for req, slot, site, labels, rows in self.groups(ORDER, SLOT, SITE):
             fmt = self.formats[(slot, site)]
-            pos = labels[::fmt.heads, Label.POSITION]
+            pos = labels[::fmt.heads, POSITION]
             width = int(pos.max()) + 1
             data = rows[:, :width].reshape(-1, fmt.heads, width)
             causal = torch.arange(width)[None, :] <= torch.from_numpy(pos)[:, None]

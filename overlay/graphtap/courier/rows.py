@@ -12,7 +12,9 @@ from graphtap.courier.chunks import positions_key
 from graphtap.courier.snapshot import LabelledStep
 from graphtap.ops.tables import Label
 
-ORDER = (Label.SLOT, Label.SITE, Label.POSITION)
+# plain ints: numpy indexes with them on every step
+ORDER = (int(Label.SLOT), int(Label.SITE), int(Label.POSITION))
+SLOT, SITE, POSITION = ORDER
 HOST_LABELS = len(ORDER)  # label columns a capture step copies home
 
 
@@ -41,7 +43,7 @@ class CaptureStep(LabelledStep):
         # per-group copies (or even per-group tensors from numpy) add up: a decode step
         # of 64 requests x 3 sites has 192 groups, and the H200 host was ~50 us per copy.
         labels, perm = self.sorted_labels(ORDER)
-        groups = list(self.spans(labels, perm, Label.SLOT, Label.SITE))
+        groups = list(self.spans(labels, perm, SLOT, SITE))
         by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
         for g, (_, slot, site, start, end, first, index) in enumerate(groups):
             if index is None:
@@ -54,7 +56,7 @@ class CaptureStep(LabelledStep):
             data.update(_split(self._cut(self.rows[lo:hi], key[1]), lo, members))
         # .copy(): numpy calls a 1-element column contiguous and keeps its stride of 3,
         # which vLLM's tensor serialiser then refuses (a step of one captured row).
-        positions = _split(torch.from_numpy(labels[:, Label.POSITION].copy()), 0,
+        positions = _split(torch.from_numpy(labels[:, POSITION].copy()), 0,
                            [(start, end - start, g) for g, (*_, start, end, _, _)
                             in enumerate(groups)])
         out: dict[str, dict[str, torch.Tensor]] = {}

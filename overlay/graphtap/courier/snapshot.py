@@ -153,12 +153,16 @@ def grouped_in_order(labels: np.ndarray, order: tuple[int, ...]) -> bool:
     a, b, *rest = (labels[:, k] for k in order)
     same = (a[1:] == a[:-1]) & (b[1:] == b[:-1])
     # inside a group, the remaining columns must be non-decreasing lexicographically
-    greater = np.zeros(len(labels) - 1, dtype=bool)
-    equal = np.ones(len(labels) - 1, dtype=bool)
-    for c in rest:
-        greater |= equal & (c[1:] > c[:-1])
-        equal &= c[1:] == c[:-1]
-    if not np.all(~same | greater | equal):
+    if len(rest) == 1:  # captures: positions (one pass, on every step's critical path)
+        ordered = rest[0][1:] >= rest[0][:-1]
+    else:
+        ordered = np.ones(len(labels) - 1, dtype=bool)  # equal so far
+        greater = np.zeros(len(labels) - 1, dtype=bool)
+        for c in rest:
+            greater |= ordered & (c[1:] > c[:-1])
+            ordered &= c[1:] == c[:-1]
+        ordered |= greater
+    if not np.all(~same | ordered):
         return False
     starts = np.flatnonzero(np.r_[True, ~same])
     keys = group_keys(a[starts], b[starts])

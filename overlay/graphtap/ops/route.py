@@ -41,9 +41,12 @@ def route_tokens_reference(tok_slot: torch.Tensor, tok_row: torch.Tensor, sentin
 
 
 def route_rows_reference(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
-                         positions: torch.Tensor, max_len: int) -> None:
+                         positions: torch.Tensor, max_len: int,
+                         sync_free: bool | None = None) -> None:
     """slot, brow [n]: each token row's request slot (the sentinel: none) and batch row;
-    positions [n] (any integer dtype), clamped to [0, max_len) as the ops clamp them."""
+    positions [n] (any integer dtype), clamped to [0, max_len) as the ops clamp them.
+    sync_free (default: on a GPU) labels every unit without a host sync; otherwise only
+    the wanted ones are labelled, which is cheaper where there is no device to stall."""
     n, dev = slot.shape[0], slot.device
     pos = positions.long().clamp(0, max_len - 1)
     num_sites = t.num_sites
@@ -55,8 +58,9 @@ def route_rows_reference(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
     on = (site >= 0) & entry_bits(t.entry_pos, slot, pos)
     target = (torch.where(on, site, num_sites), tokens[:, None].expand_as(site))
     if t.entry_heads is None:
-        want = torch.zeros((num_sites + 1, n, 1), dtype=torch.bool, device=dev)
-        want.index_put_((*target, torch.zeros_like(site)), on)
+        want = torch.zeros((num_sites + 1, n), dtype=torch.bool, device=dev)
+        want.index_put_(target, on)
+        want = want.unsqueeze(2)
     else:
         heads = t.entry_heads[slot] != 0  # [n, C, Hq]
         want = torch.zeros((num_sites + 1, n, heads.shape[2]), dtype=torch.bool, device=dev)
@@ -68,12 +72,27 @@ def route_rows_reference(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
     if t.dst is not None:
         t.dst[:, :n].copy_(dst.view(num_sites, n))
     t.count.copy_(flat.sum().reshape(1))
-    unit_site = _arange(num_sites, torch.long, dev).repeat_interleave(n * h)
-    unit_tok = tokens.repeat_interleave(h).repeat(num_sites)
-    unit_head = _arange(h, torch.long, dev).repeat(num_sites * n)
-    columns = {Label.SLOT: slot[unit_tok], Label.SITE: unit_site, Label.POSITION: pos[unit_tok],
-               Label.HEAD: unit_head, Label.TOKEN: unit_tok, Label.BATCH_ROW: brow[unit_tok]}
-    labels = torch.stack([columns[c].to(LABEL_DTYPE) for c in Label], dim=1)
     t.labels[:, Label.SITE].fill_(-1)
-    t.labels.index_copy_(0, dst, labels)
-    t.labels[t.rows, Label.SITE] = -1  # the trash row took everything not wanted
+    if dev.type == "cuda" if sync_free is None else sync_free:
+        _label_every_unit(t, dst, slot, brow, pos, tokens, num_sites, n, h)
+    else:  # no device to stall: label the wanted units only (rows 0..k-1, in unit order)
+        units = flat.nonzero().squeeze(1)[: t.rows]
+        site_of, rest = units // (n * h), units % (n * h)
+        tok, head = rest // h, rest % h
+        columns = {Label.SLOT: slot[tok], Label.SITE: site_of, Label.POSITION: pos[tok],
+                   Label.HEAD: head, Label.TOKEN: tok, Label.BATCH_ROW: brow[tok]}
+        t.labels[: len(units)] = torch.stack([columns[c].to(LABEL_DTYPE) for c in Label], 1)
+
+
+def _label_every_unit(t: RowTables, dst, slot, brow, pos, tokens, num_sites, n, h) -> None:
+    """Every unit's label, one stack of broadcast views [sites, tokens, heads, LABELS],
+    copied to its row; the units not wanted all land in the trash row."""
+    dev = slot.device
+    shape = (num_sites, n, h)
+    columns = {Label.SLOT: slot[None, :, None], Label.POSITION: pos[None, :, None],
+               Label.SITE: _arange(num_sites, torch.long, dev)[:, None, None],
+               Label.HEAD: _arange(h, torch.long, dev)[None, None, :],
+               Label.TOKEN: tokens[None, :, None], Label.BATCH_ROW: brow[None, :, None]}
+    labels = torch.stack([columns[c].to(LABEL_DTYPE).expand(shape) for c in Label], dim=-1)
+    t.labels.index_copy_(0, dst, labels.view(-1, len(Label)))
+    t.labels[t.rows, Label.SITE] = -1
