@@ -57,11 +57,11 @@ def _tpot(group: dict) -> str:
 
 def _capture(group: dict) -> str:
     result, models = merged([RESULTS / f for f in group["files"]], ci=True)
-    keep = group.get("modes")
-    if keep:
-        for key in ("summary_overhead_vs_idle_pct", "summary_overhead_vs_idle_pct_engine"):
-            if key in result:
-                result[key] = {m: c for m, c in result[key].items() if m in keep}
+    keep, drop = group.get("modes"), {tuple(cell) for cell in group.get("drop", [])}
+    for key in ("summary_overhead_vs_idle_pct", "summary_overhead_vs_idle_pct_engine"):
+        if key in result:  # modes shown, and (mode, load) cells a later group supersedes
+            result[key] = {m: {k: c for k, c in cells.items() if (m, k) not in drop}
+                           for m, cells in result[key].items() if not keep or m in keep}
     out = render(result, models) + "\n" + verdict(overheads(result))
     if "summary_overhead_vs_idle_pct_engine" in result:
         out += ("\nOn the engine core's clock (output timestamps, the client's delays left "
