@@ -16,7 +16,6 @@ refuses a header that lacks any, and a series of more than 8 patches.
 """
 import argparse
 import re
-import sys
 from pathlib import Path
 
 import wheelkit as wk

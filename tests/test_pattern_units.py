@@ -12,7 +12,7 @@ from graphtap.engine.families.pattern import PatternFamily
 from graphtap.ops.backend import TORCH
 from graphtap.ops.pattern import key_cache_view, pattern_reference
 from graphtap.ops.tables import KeyCache, Label
-from graphtap.spec import NormalisedSpec, PatternEntry, Span
+from graphtap.spec import NormalisedSpec, PatternEntry
 from graphtap.spec.sites import Site, SiteTable
 from helpers import engine_tables
 

@@ -3,7 +3,6 @@
 The module records a plain engine's (no hook manager) outputs first, then shuts it down
 and starts the graphtap engine: the unsteered requests must match it bit for bit.
 """
-import numpy as np
 import pytest
 
 from graphtap.testing.engines import _hf_model, make_llm, shutdown, tokenize
