@@ -2,7 +2,7 @@
 routing. Model code finds its engine's hook manager through the slots object of that
 engine's config, and graph ops find the running engine's tables through its forward
 context; nothing is kept in module globals, so one engine's requests can never steer,
-or be captured by, another's forward (the class of bug patch 0011 once fixed for the
+or be captured by, another's forward (the class of bug once fixed for the
 frontend alone)."""
 from types import SimpleNamespace
 

@@ -67,3 +67,11 @@ def test_no_family_imports_another():
 @pytest.mark.parametrize("module,path", list(modules()), ids=lambda v: str(v))
 def test_files_stay_small(module, path):
     assert len(path.read_text().splitlines()) <= 400, module
+
+
+@pytest.mark.parametrize("module,path", list(modules()), ids=lambda v: str(v))
+def test_public_classes_say_what_they_are(module, path):
+    undocumented = [node.name for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+                    and not ast.get_docstring(node)]
+    assert not undocumented, (module, undocumented)

@@ -268,7 +268,7 @@ def test_save_to_needs_a_save_root():
 def test_hook_manager_refuses_the_v1_model_runner():
     """The slots are in Model Runner V2 only: under vLLM's fallback to the V1 runner a
     configured manager would be ignored (captures silently empty), so it refuses to
-    start (patch 0010). Checked end to end once: a CPU run without TRITON_INTERPRET."""
+    start (patch 0003). Checked end to end once: a CPU run without TRITON_INTERPRET."""
     from types import SimpleNamespace
 
     from vllm.v1.worker.gpu.hooks import hook_manager_cls

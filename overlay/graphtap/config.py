@@ -9,6 +9,8 @@ DEFAULT_SITES = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_mid", "blocks.*
 
 
 class HookConfig(BaseModel):
+    """An engine's `hook_config`: which sites get ops, and every table's size."""
+
     model_config = ConfigDict(extra="forbid")
 
     sites: list[str] = Field(default_factory=lambda: list(DEFAULT_SITES))

@@ -32,6 +32,8 @@ def is_data_key(key: str) -> bool:
 
 
 class OverflowKind(IntEnum):
+    """Which bound a step's rows exceeded."""
+
     CAPTURE_ROWS = 0  # a step needed more rows than hook_config.capture_rows
     PATTERN_ROWS = 1  # a step needed more rows than hook_config.pattern_rows
     HOST_BOUND = 2  # the host's bound on a step's rows was short: a graphtap bug

@@ -9,6 +9,8 @@ from graphtap.spec.entries import NormalisedSpec
 
 
 class HookFamily(Protocol):
+    """What the manager asks of each family, in the order the runner calls it."""
+
     name: str
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,

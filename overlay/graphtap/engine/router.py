@@ -9,6 +9,8 @@ from graphtap.ops.tables import OpTables
 
 
 class TokenRouter:
+    """The step's token row -> (request slot, batch row) map, kept in OpTables."""
+
     def __init__(self, tables: OpTables):
         self.t = tables
         self._last_layout: tuple | None = None

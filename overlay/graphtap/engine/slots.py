@@ -56,6 +56,8 @@ class SlotLayout:
 
 
 class SlotBlock:
+    """The block itself: its device tensor, the host mirror, the rows to write."""
+
     def __init__(self, layout: SlotLayout, slots: int, device: torch.device):
         self.device = device
         width = max(layout.width, 1)

@@ -36,6 +36,8 @@ class Sizes:
 
 @dataclass(frozen=True)
 class SteerFields:
+    """Steering's per-slot fields (ops.tables.SteerTables views them)."""
+
     site: SlotField
     vec: SlotField
     coef: SlotField

@@ -24,6 +24,8 @@ def _kind(tail: str) -> str:
 
 @dataclass(frozen=True)
 class Site:
+    """One hook site: a layer and a kind (resid_pre, attn_k, ...)."""
+
     layer: int
     kind: str
 

@@ -11,6 +11,8 @@ from graphtap.spec.entries import NormalisedSpec
 
 
 class CaptureFamily(RowFamily):
+    """Row captures of residual and attention sites; one buffer row per wanted token."""
+
     name = "capture"
     step_class = CaptureStep
     overflow_kind = OverflowKind.CAPTURE_ROWS

@@ -15,6 +15,8 @@ from graphtap.spec.sites import PATTERN
 
 
 class PatternFamily(RowFamily):
+    """Attention patterns; one buffer row per wanted (token, chosen head)."""
+
     name = "pattern"
     step_class = PatternStep
     overflow_kind = OverflowKind.PATTERN_ROWS

@@ -13,6 +13,8 @@ from graphtap.spec.sites import SiteTable
 
 
 class SteerFamily(FamilyBase):
+    """Per-request edits of the residual stream."""
+
     name = "steer"
 
     def __init__(self, tables: EngineTables, sites: SiteTable):

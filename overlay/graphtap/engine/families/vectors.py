@@ -14,6 +14,8 @@ from graphtap.ops.tables import SteerTables
 
 
 class VectorBank:
+    """The engine's resident steering vectors (rows of SteerTables.bank)."""
+
     def __init__(self, tables: SteerTables):
         self.t = tables
         self.capacity = tables.bank.shape[0] - 1  # row 0 stays zero
