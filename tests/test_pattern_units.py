@@ -234,3 +234,19 @@ def test_rows_in_step_prefilter_matches_the_loop():
             num_scheduled_tokens=rng.integers(1, 8, n),
             num_draft_tokens_per_req=rng.integers(0, 3, n) if rng.random() < 0.5 else None)
         assert rows_in_step(wants, batch, ends) == rows_in_step(wants, batch)
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    """The same (token, head, position) row, alone in its step or beside rows of longer
+    reach, gets the same bits: the reference once sized every row's softmax by the
+    step's longest row, and a served request's pattern then differed, in the last bits,
+    from its solo run."""
+    keys, table = paged("CPU_ATTN:vec")
+    kc = KeyCache(keys, table, 0.125, HQ // HKV)
+    q = torch.randn(10, HQ, D, generator=torch.Generator().manual_seed(5))
+    alone, crowded = pattern_tables(), pattern_tables()
+    route_rows(alone, [(1, 4, 1, 1, 40, 2)])
+    route_rows(crowded, [(1, 9, 2, 2, 127, 0), (1, 4, 1, 1, 40, 2), (1, 3, 3, 0, 70, 5)])
+    pattern_reference(alone, q, kc, 1)
+    pattern_reference(crowded, q, kc, 1)
+    assert torch.equal(alone.buf[0], crowded.buf[1])

@@ -34,21 +34,23 @@ def key_cache_view(kv_cache: torch.Tensor, backend: str, head_size: int) -> torc
 
 
 def pattern_reference(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int) -> None:
-    """Torch implementation (free to sync: it runs where there is no device to stall)."""
+    """Torch implementation (free to sync: it runs where there is no device to stall).
+    Rows are computed in groups of one position, each over exactly its own keys, so a
+    row's values never depend on which other rows share its step (as in the kernel)."""
     active = (t.labels[: t.rows, Label.SITE] == site).nonzero().squeeze(1)
     if active.numel() == 0:
         return
     r = t.labels[active]
     tok, head, brow, pos = (r[:, Label.TOKEN], r[:, Label.HEAD], r[:, Label.BATCH_ROW],
                             r[:, Label.POSITION])
-    span = int(pos.max()) + 1
-    j = torch.arange(span, device=q.device)
     bs = kc.keys.shape[1]
-    blocks = kc.block_table[brow][:, j // bs].long()  # [rows, keys]
-    keys = kc.keys[blocks, (j % bs)[None, :], (head // kc.group)[:, None]].float()
-    scores = torch.einsum("rjd,rd->rj", keys, q[tok, head].float()) * kc.scale
-    scores = scores.masked_fill(j[None, :] > pos[:, None], float("-inf"))
-    t.buf[active, :span] = torch.softmax(scores, dim=-1)
+    for p in torch.unique(pos).tolist():
+        rows = (pos == p).nonzero().squeeze(1)
+        j = torch.arange(p + 1, device=q.device)
+        blocks = kc.block_table[brow[rows]][:, j // bs].long()  # [rows, keys]
+        keys = kc.keys[blocks, (j % bs)[None, :], (head[rows] // kc.group)[:, None]].float()
+        scores = (keys * q[tok[rows], head[rows]].float()[:, None, :]).sum(-1) * kc.scale
+        t.buf[active[rows], : p + 1] = torch.softmax(scores, dim=-1)
 
 
 @torch.library.custom_op("graphtap::capture_pattern_", mutates_args=("sink",))
