@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -57,12 +54,6 @@ def engine_tables(**overrides):
 
 # ---------------------------------------------------------------- a vllm serve process
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url: str, body: dict, timeout: float = 120):
     req = urllib.request.Request(url, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -74,34 +65,21 @@ def post(url: str, body: dict, timeout: float = 120):
 
 
 @contextmanager
-def vllm_server(model, args: list[str], log_path, start_timeout: float = 300):
-    """`vllm serve MODEL ARGS` on a free loopback port; yields its base URL."""
+def vllm_server(model, args: list[str], log_path, start_timeout: float = 300,
+                graphtap_cli: bool = False):
+    """`vllm serve MODEL ARGS` (or `graphtap serve MODEL ARGS`) on a free loopback port;
+    yields its base URL."""
     import pytest
 
+    from graphtap.testing.servers import ServerFailed, free_port, running_server
+
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+    entry = ["graphtap.cli"] if graphtap_cli else ["vllm.entrypoints.cli.main"]
+    cmd = [sys.executable, "-m", *entry, "serve", str(model),
            "--host", "127.0.0.1", "--port", str(port), *args]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited:\n{open(log_path).read()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail(f"server did not start:\n{open(log_path).read()[-4000:]}")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with running_server(cmd, port, {**os.environ, "TRITON_INTERPRET": "1"}, log_path,
+                            start_timeout) as base:
+            yield base
+    except ServerFailed as e:
+        pytest.fail(str(e))

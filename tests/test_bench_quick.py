@@ -231,3 +231,18 @@ def test_results_readme_is_generated_from_the_result_files():
     res = subprocess.run([sys.executable, "-m", "benchmarks.results_readme", "--check"],
                          cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_serve_bench_quick(tmp_path):
+    """vllm bench serve against a stock and a graphtap server (CPU, tiny model): every
+    run completes every request and the table is written (no speed claims)."""
+    res = subprocess.run([sys.executable, "-m", "benchmarks.serve_bench", "--quick",
+                          "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=1200, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "serve-bench-tiny-quick.json").read_text())
+    assert [r["mode"] for r in data["runs"]] == ["stock", "idle", "steer", "hs", "qk", "idle2"]
+    assert all(r["completed"] == r["num_prompts"] == 4 and r["failed"] == 0 for r in data["runs"])
+    assert all(r["median_tpot_ms"] > 0 for r in data["runs"])
+    md = (tmp_path / "serve-bench-tiny-quick.md").read_text()
+    assert "| steer | 4/4 |" in md and "| stock | 4/4 |" in md, md

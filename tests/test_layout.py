@@ -13,10 +13,13 @@ ALLOWED = {
     "spec": set(),
     "config": {"spec"},
     "outputs": set(),
+    "wire": {"outputs"},
     "ops": set(),
     "courier": {"outputs", "ops.tables"},
     "engine": {"spec", "config", "ops", "courier"},
-    "frontend": {"spec", "config", "courier", "outputs"},
+    "frontend": {"spec", "config", "courier", "outputs", "wire"},
+    "server": {"config"},
+    "client": {"outputs", "wire"},
 }
 
 

@@ -161,8 +161,8 @@ def test_salt_is_a_content_hash():
 
 
 class _Params:
-    def __init__(self, hooks=None, extra_args=None):
-        self.hooks, self.extra_args = hooks, extra_args
+    def __init__(self, hooks=None, extra_args=None, max_tokens=16):
+        self.hooks, self.extra_args, self.max_tokens = hooks, extra_args, max_tokens
 
 
 class _Request:

@@ -36,6 +36,17 @@ class HookConfig(BaseModel):
     of one head, max_model_len floats). Allocated only when a hook_pattern site is
     configured; overflow is reported like capture_rows."""
 
+    max_response_rows: int = Field(65536, ge=1)
+    """Rows one request may get back (positions x sites; patterns: query positions x
+    heads), bounded at admission from its spec, prompt length and max_tokens. A
+    Llama-3-8B residual row is 8 KiB in bf16: the default bounds a response at 512 MiB."""
+    max_request_bytes: int = Field(16 * 2**20, ge=1024)
+    """The OpenAI server refuses a larger request body with a 413 before reading it."""
+    vectors_dir: str | None = None
+    """Every safetensors file here is loaded into the server's named vectors at start."""
+    max_registered_vectors: int = Field(256, ge=1, le=65536)
+    """Named vectors the server may hold (registered or loaded from vectors_dir)."""
+
     def site_table(self, num_layers: int) -> SiteTable:
         return SiteTable(expand_patterns(self.sites, num_layers))
 

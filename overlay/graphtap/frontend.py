@@ -12,7 +12,10 @@ from vllm.v1.worker.gpu.hooks import HookFrontend
 from graphtap.config import HookConfig
 from graphtap.courier import assemble
 from graphtap.outputs import HookOutputs
-from graphtap.spec import ModelShape, NormalisedSpec, combined_salt, normalise, parse_spec
+from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
+                           parse_spec)
+from graphtap.spec.limits import check_response_rows
+from graphtap.wire import encode
 
 
 class HookSpecError(VLLMValidationError, ValueError):
@@ -33,37 +36,58 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
         max_captures=config.max_captures,
         num_heads=mc.get_num_attention_heads(vllm_config.parallel_config),
         num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
-        save_root=config.save_root)
+        save_root=config.save_root, max_response_rows=config.max_response_rows)
 
 
 class GraphtapFrontend(HookFrontend):
     """Implements vLLM's HookFrontend for one engine."""
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, vectors: VectorRegistry | None = None):
         self.shape = shape
+        self.vectors = vectors if vectors is not None else VectorRegistry(shape.hidden_size, 256)
         # Distinct vectors of live requests, refcounted: the worker holds exactly these
         # (or fewer), so admitting only what fits means the worker never overflows.
         self._lock = threading.Lock()
         self._live: dict[str, set[str]] = {}
         self._refs: Counter[str] = Counter()
-        self._save_to: dict[str, str] = {}
+        self._finish: dict[str, NormalisedSpec] = {}  # what finish_outputs needs per request
+        self.api_servers = 1  # API server processes, each with a frontend of its own
 
-    def process_request(self, request_id, params, cache_salt):
+    @classmethod
+    def for_engine(cls, vllm_config, config: HookConfig) -> "GraphtapFrontend":
+        shape = model_shape(vllm_config, config)
+        vectors = VectorRegistry(shape.hidden_size, config.max_registered_vectors)
+        if config.vectors_dir:
+            try:
+                vectors.load_dir(config.vectors_dir)
+            except ValueError as e:
+                raise ValueError(f"hook_config.vectors_dir: {e}") from None
+        frontend = cls(shape, vectors)
+        frontend.api_servers = vllm_config.parallel_config._api_process_count
+        return frontend
+
+    def process_request(self, request_id, params, cache_salt, prompt_len=0):
         try:
-            return self._process(params, cache_salt)
+            return self._process(params, cache_salt, prompt_len)
         except HookSpecError:
             raise
         except ValueError as e:
             raise HookSpecError(str(e)) from None
 
-    def _process(self, params, cache_salt):
+    def _process(self, params, cache_salt, prompt_len: int):
         raw = params.hooks
         if raw is None and params.extra_args and "hooks" in params.extra_args:
-            raw = params.extra_args.pop("hooks")  # HTTP: vllm_xargs={"hooks": "<json>"}
+            # HTTP: vllm_xargs={"hooks": "<json>"}. The prompts of one request share one
+            # extra_args dict (shallow copies of its params): this request gets a dict of
+            # its own rather than taking the spec from the others.
+            raw = params.extra_args["hooks"]
+            params.extra_args = {k: v for k, v in params.extra_args.items() if k != "hooks"}
         if not raw:
             params.hooks = None
             return cache_salt
-        spec = normalise(parse_spec(raw), self.shape)
+        spec = normalise(parse_spec(raw), self.shape, self.vectors)
+        check_response_rows(spec, prompt_len, params.max_tokens or 1,
+                            self.shape.max_model_len, self.shape.max_response_rows)
         if spec.captures_anything and getattr(params, "n", 1) > 1:
             # Each sample is its own engine request, but RequestOutput.hooks has room for
             # one set of captures: refuse rather than return one sample's rows silently.
@@ -91,12 +115,12 @@ class GraphtapFrontend(HookFrontend):
             if keys:
                 self._live[request.request_id] = keys
                 self._refs.update(keys)
-            if spec.save_to:
-                self._save_to[request.request_id] = spec.save_to
+            if spec.captures_anything:
+                self._finish[request.request_id] = spec
 
     def release_request(self, request_id: str) -> None:
         with self._lock:
-            self._save_to.pop(request_id, None)  # aborted before it finished
+            self._finish.pop(request_id, None)  # aborted before it finished
             keys = self._live.pop(request_id, None)
             if keys:
                 self._refs.subtract(keys)
@@ -106,5 +130,11 @@ class GraphtapFrontend(HookFrontend):
 
     def finish_outputs(self, request_id: str, chunks) -> HookOutputs:
         with self._lock:
-            save_to = self._save_to.pop(request_id, None)
-        return assemble(request_id, chunks, save_to)
+            spec = self._finish.pop(request_id, None)
+        out = assemble(request_id, chunks, spec.save_to if spec else None)
+        out.encoding = spec.encoding if spec else "raw"
+        return out
+
+    def response_hooks(self, hooks) -> dict | None:
+        """A finished request's hooks as an OpenAI choice carries them (graphtap.wire)."""
+        return None if hooks is None else encode(hooks)

@@ -1,7 +1,8 @@
-"""What a request gets back in `RequestOutput.hooks`."""
+"""What a request gets back in `RequestOutput.hooks` (and the client, from a response).
+Importable without torch: the client holds numpy arrays in it where torch is absent."""
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 
 class HookOutputs(dict):
@@ -14,10 +15,12 @@ class HookOutputs(dict):
     silently.
     """
 
-    def __init__(self, tensors=None, positions=None, error: str | None = None):
+    def __init__(self, tensors=None, positions=None, error: str | None = None,
+                 encoding: str = "raw"):
         super().__init__(tensors or {})
-        self.positions: dict[str, torch.Tensor] = dict(positions or {})
+        self.positions: dict[str, Any] = dict(positions or {})
         self.error = error
+        self.encoding = encoding  # how the OpenAI server writes it (graphtap.wire)
 
     def __repr__(self) -> str:
         if self.error:

@@ -9,7 +9,7 @@ from vllm.v1.worker.gpu.hooks import hook_config
 
 from graphtap.config import load_hook_config
 from graphtap.engine.manager import EngineHooks
-from graphtap.frontend import GraphtapFrontend, model_shape
+from graphtap.frontend import GraphtapFrontend
 
 
 class GraphtapHookManager(EngineHooks):
@@ -17,5 +17,10 @@ class GraphtapHookManager(EngineHooks):
 
     @classmethod
     def frontend(cls, vllm_config) -> GraphtapFrontend:
-        return GraphtapFrontend(model_shape(vllm_config,
-                                            load_hook_config(hook_config(vllm_config))))
+        return GraphtapFrontend.for_engine(vllm_config, load_hook_config(hook_config(vllm_config)))
+
+    @classmethod
+    def attach_api(cls, app, args) -> None:
+        from graphtap.server import attach
+
+        attach(app, args)

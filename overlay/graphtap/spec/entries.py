@@ -68,6 +68,7 @@ class NormalisedSpec(msgspec.Struct, frozen=True):
     capture: tuple[CaptureEntry, ...] = ()
     pattern: tuple[PatternEntry, ...] = ()
     save_to: str | None = None
+    encoding: str = "raw"  # of the captures in an HTTP response: "raw" or "safetensors"
 
     @property
     def captures_anything(self) -> bool:

@@ -11,7 +11,8 @@ import numpy as np
 from pydantic import BaseModel
 
 from graphtap.spec.entries import CaptureEntry, NormalisedSpec, PatternEntry, Span, SteerEntry
-from graphtap.spec.schema import HookSpec, PositionRange, Steer
+from graphtap.spec.registry import VectorRegistry
+from graphtap.spec.schema import HookSpec, PositionRange, Steer, short
 from graphtap.spec.sites import KV_HEAD_KINDS, Site, parse_site
 
 
@@ -28,6 +29,7 @@ class ModelShape(BaseModel):
     num_heads: int = 0
     num_kv_heads: int = 0
     save_root: str | None = None
+    max_response_rows: int = 65536
 
 
 def steer_bounds(s: Steer) -> tuple[float, float, float]:
@@ -84,7 +86,28 @@ def _heads(heads, site: Site, i: int, shape: ModelShape) -> tuple[int, ...] | No
     return tuple(sorted(set(heads)))
 
 
-def _steers(spec: HookSpec, shape: ModelShape) -> tuple[SteerEntry, ...]:
+def _vector(s: Steer, i: int, shape: ModelShape, vectors: VectorRegistry | None) -> bytes:
+    """A steer's vector as float32 bytes: its values, or the registered vector it names."""
+    if isinstance(s.vector, str):
+        named = vectors.get(s.vector) if vectors is not None else None
+        if named is None:
+            raise ValueError(f"hooks.steer[{i}].vector: no registered vector named "
+                             f"{short(s.vector)} (GET /v1/graphtap/vectors lists them)")
+        if s.op != "add" and named.norm == 0:
+            raise ValueError(f"hooks.steer[{i}]: op {s.op!r} needs a non-zero vector "
+                             f"(it projects on it); {short(s.vector)} is zero")
+        return named.data
+    if len(s.vector) != shape.hidden_size:
+        raise ValueError(f"hooks.steer[{i}].vector: length {len(s.vector)}, the model's "
+                         f"hidden size is {shape.hidden_size}")
+    data = np.asarray(s.vector, dtype=np.float32)
+    if not np.isfinite(data).all():
+        raise ValueError(f"hooks.steer[{i}].vector: overflows float32")
+    return data.tobytes()
+
+
+def _steers(spec: HookSpec, shape: ModelShape,
+            vectors: VectorRegistry | None) -> tuple[SteerEntry, ...]:
     if len(spec.steer) > shape.max_steers:
         raise ValueError(f"hooks.steer: {len(spec.steer)} steers, more than the engine's "
                          f"{shape.max_steers} per request (hook_config.max_steers)")
@@ -94,13 +117,7 @@ def _steers(spec: HookSpec, shape: ModelShape) -> tuple[SteerEntry, ...]:
         if not site.is_residual:
             raise ValueError(f"hooks.steer[{i}].site: steering acts on the residual stream "
                              f"(hook_resid_pre|mid|post); {site.name} can be captured only")
-        if len(s.vector) != shape.hidden_size:
-            raise ValueError(f"hooks.steer[{i}].vector: length {len(s.vector)}, the model's "
-                             f"hidden size is {shape.hidden_size}")
-        data = np.asarray(s.vector, dtype=np.float32)
-        if not np.isfinite(data).all():
-            raise ValueError(f"hooks.steer[{i}].vector: overflows float32")
-        raw = data.tobytes()
+        raw = _vector(s, i, shape, vectors)
         a, lo, hi = steer_bounds(s)
         steers.append(SteerEntry(site.layer, site.kind, raw, vector_key(raw), a, lo, hi,
                                  _positions(s.positions, f"hooks.steer[{i}]",
@@ -134,13 +151,16 @@ def _captures(spec: HookSpec, shape: ModelShape):
     return tuple(rows), tuple(patterns)
 
 
-def normalise(spec: HookSpec, shape: ModelShape) -> NormalisedSpec:
-    """Check against the model and engine; return the worker's data-only form."""
-    steers = _steers(spec, shape)
+def normalise(spec: HookSpec, shape: ModelShape,
+              vectors: VectorRegistry | None = None) -> NormalisedSpec:
+    """Check against the model and engine (and the frontend's registered vectors);
+    return the worker's data-only form."""
+    steers = _steers(spec, shape, vectors)
     captures, patterns = _captures(spec, shape)
     return NormalisedSpec(steer=steers, capture=captures, pattern=patterns,
                           save_to=_save_to(spec.save_to, shape.save_root,
-                                           bool(captures or patterns)))
+                                           bool(captures or patterns)),
+                          encoding=spec.encoding)
 
 
 def _save_to(save_to: str | None, root: str | None, captures: bool) -> str | None:

@@ -17,6 +17,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 OPS = ("add", "set_projection", "ablate", "clamp")
+
+
+def short(text, limit: int = 60) -> str:
+    """A user's string as an error message quotes it: a 1 MB name is not echoed back."""
+    text = str(text)
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
 NAMED_POSITIONS = ("all", "prompt", "generated", "last_prompt")
 
 
@@ -38,7 +44,7 @@ def _parse_positions(p: Any):
     """Dispatch on the JSON type, so an error speaks about the form the user chose."""
     if isinstance(p, str):
         if p not in NAMED_POSITIONS:
-            raise ValueError(f"{p!r} is not one of {', '.join(NAMED_POSITIONS)}")
+            raise ValueError(f"{short(p)} is not one of {', '.join(NAMED_POSITIONS)}")
         return p
     if isinstance(p, dict) or isinstance(p, PositionRange):
         return PositionRange.model_validate(p)
@@ -59,7 +65,8 @@ class Steer(BaseModel):
 
     site: str
     op: Literal["add", "set_projection", "ablate", "clamp"]
-    vector: list[float] = Field(min_length=1)
+    vector: list[float] | str
+    """The direction: its values, or the name of a vector registered with the server."""
     scale: float = 1.0
     target: float | None = None
     min: float | None = None
@@ -73,7 +80,13 @@ class Steer(BaseModel):
 
     @field_validator("vector")
     @classmethod
-    def _finite(cls, v: list[float]) -> list[float]:
+    def _finite(cls, v: list[float] | str) -> list[float] | str:
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("a vector name must not be empty")
+            return v
+        if not v:
+            raise ValueError("a vector needs at least one value")
         bad = next((i for i, x in enumerate(v) if not math.isfinite(x)), None)
         if bad is not None:
             raise ValueError(f"element {bad} is {v[bad]}: vectors must be finite")
@@ -95,7 +108,8 @@ class Steer(BaseModel):
                 raise ValueError("op 'clamp' needs 'min' and 'max'")
             if self.min > self.max:
                 raise ValueError(f"clamp min ({self.min}) is greater than max ({self.max})")
-        if self.op in ("set_projection", "ablate", "clamp") and not any(self.vector):
+        if self.op in ("set_projection", "ablate", "clamp") and \
+                not isinstance(self.vector, str) and not any(self.vector):
             raise ValueError(f"op {self.op!r} needs a non-zero vector (it projects on it)")
         return self
 
@@ -126,6 +140,9 @@ class HookSpec(BaseModel):
     capture: list[Capture] = Field(default_factory=list)
     save_to: str | None = None
     """Directory for one safetensors file per request (written by the frontend)."""
+    encoding: Literal["raw", "safetensors"] = "raw"
+    """How an HTTP response carries the captures: per site base64 raw bytes, or one
+    base64 safetensors blob (the OpenAI server only; offline outputs are tensors)."""
 
 
 def _loc(loc: tuple) -> str:

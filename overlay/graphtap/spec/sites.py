@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from graphtap.spec.schema import short
+
 RESID_KINDS = ("resid_pre", "resid_mid", "resid_post")
 ATTN_KINDS = ("attn_q", "attn_k", "attn_v", "attn_z", "attn_pattern")
 KINDS = RESID_KINDS + ATTN_KINDS
@@ -50,7 +52,7 @@ def parse_site(name: str, num_layers: int) -> Site:
     """'blocks.3.hook_resid_post' -> Site(3, 'resid_post'); ValueError with the reason."""
     m = _NAME.match(name) if isinstance(name, str) else None
     if not m or m.group(1) == "*":
-        raise ValueError(f"unknown site {name!r}: expected blocks.<layer>.hook_resid_pre|"
+        raise ValueError(f"unknown site {short(name)}: expected blocks.<layer>.hook_resid_pre|"
                          f"hook_resid_mid|hook_resid_post or blocks.<layer>.attn.hook_q|"
                          f"hook_k|hook_v|hook_z|hook_pattern")
     layer = int(m.group(1))
@@ -66,7 +68,7 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[Site]:
     for pattern in patterns:
         m = _NAME.match(pattern) if isinstance(pattern, str) else None
         if not m:
-            raise ValueError(f"hook_config.sites: unknown site pattern {pattern!r}")
+            raise ValueError(f"hook_config.sites: unknown site pattern {short(pattern)}")
         layers = range(num_layers) if m.group(1) == "*" else [int(m.group(1))]
         for layer in layers:
             sites.add(parse_site(f"blocks.{layer}.{m.group(2)}", num_layers))

@@ -1,0 +1,108 @@
+"""Named steering vectors, registered with the server (`/v1/graphtap/vectors`) or loaded
+from `hook_config.vectors_dir` at start; a spec names one with `"vector": "name"`.
+
+Names are resolved into float32 bytes when a request is admitted (spec/normalise.py),
+so a live request keeps its vector whatever happens to the name later, and the worker
+never sees names. One registry per engine frontend."""
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class NamedVector:
+    """A registered vector: float32 values, and what GET lists of it."""
+
+    name: str
+    data: bytes  # float32, native byte order (what SteerEntry.vector carries)
+    dim: int
+    norm: float
+    sha256: str
+
+    def describe(self) -> dict:
+        return {"name": self.name, "dim": self.dim, "norm": self.norm, "sha256": self.sha256}
+
+
+class VectorRegistry:
+    """name -> NamedVector, for one engine (hidden size `dim`), at most `capacity`."""
+
+    def __init__(self, dim: int, capacity: int):
+        self.dim, self.capacity = dim, capacity
+        self._vectors: dict[str, NamedVector] = {}
+        self._lock = threading.Lock()
+
+    def check(self, name: str, values) -> NamedVector:
+        """The vector `values` would register as `name`; ValueError naming what is wrong."""
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ValueError(f"name: {name!r} is not a vector name (letters, digits, '.', "
+                             f"'_', '-'; 1 to 128 characters, starting with a letter or digit)")
+        try:
+            data = np.asarray(values, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValueError("vector: expected numbers") from None
+        if data.ndim != 1 or data.shape[0] != self.dim:
+            raise ValueError(f"vector: shape {tuple(data.shape)}, the model's hidden size is "
+                             f"{self.dim}")
+        if not np.isfinite(data).all():
+            raise ValueError("vector: values must be finite in float32")
+        raw = data.tobytes()
+        return NamedVector(name, raw, self.dim, float(np.linalg.norm(data.astype(np.float64))),
+                           hashlib.sha256(raw).hexdigest())
+
+    def register(self, vectors: list[NamedVector]) -> None:
+        """Add or replace, all or none (the capacity counts the names after the call)."""
+        with self._lock:
+            names = set(self._vectors) | {v.name for v in vectors}
+            if len(names) > self.capacity:
+                raise ValueError(f"name: the registry holds at most {self.capacity} vectors "
+                                 f"(hook_config.max_registered_vectors)")
+            for v in vectors:
+                self._vectors[v.name] = v
+
+    def delete(self, name: str) -> bool:
+        with self._lock:
+            return self._vectors.pop(name, None) is not None
+
+    def get(self, name: str) -> NamedVector | None:
+        return self._vectors.get(name)
+
+    def list(self) -> list[dict]:
+        with self._lock:
+            return [v.describe() for v in sorted(self._vectors.values(), key=lambda v: v.name)]
+
+    def from_safetensors(self, blob: bytes, name: str | None = None) -> list[NamedVector]:
+        """The vectors of a safetensors file: each tensor by its key, or a file of one
+        tensor by `name` when given."""
+        from safetensors.numpy import load
+
+        try:
+            tensors = load(blob)
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"body: not a safetensors file ({type(e).__name__})") from None
+        if name is not None and len(tensors) != 1:
+            raise ValueError(f"name: the file holds {len(tensors)} tensors; a name applies "
+                             f"to a file of one")
+        return [self.check(name or key, t.reshape(-1) if t.ndim == 2 and t.shape[0] == 1
+                           else t) for key, t in sorted(tensors.items())]
+
+    def load_dir(self, directory: str) -> int:
+        """Every *.safetensors file of a folder: a file of one tensor registers as its
+        stem, one of several as stem.key."""
+        vectors = []
+        for path in sorted(Path(directory).glob("*.safetensors")):
+            found = self.from_safetensors(path.read_bytes())
+            if len(found) == 1:
+                vectors.append(self.check(path.stem, np.frombuffer(found[0].data, np.float32)))
+            else:
+                vectors += [self.check(f"{path.stem}.{v.name}", np.frombuffer(v.data, np.float32))
+                            for v in found]
+        self.register(vectors)
+        return len(vectors)

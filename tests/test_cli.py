@@ -1,0 +1,33 @@
+"""The `graphtap` command's engine-free parts (`graphtap serve` itself starts the server of
+test_serve_api.py)."""
+import json
+import subprocess
+import sys
+
+from graphtap.cli import serve_argv
+
+
+def test_serve_passes_graphtap_and_vllm_arguments_through():
+    argv = serve_argv("m", ["blocks.*.hook_resid_post"], '{"max_vectors": 8}',
+                      ["--port", "8001", "--api-key", "k"])
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "m"]
+    i = argv.index("--hook-config")
+    assert json.loads(argv[i + 1]) == {"max_vectors": 8, "sites": ["blocks.*.hook_resid_post"]}
+    assert argv[argv.index("--hook-manager") + 1] == "graphtap"
+    assert argv[-4:] == ["--port", "8001", "--api-key", "k"]
+
+
+def test_sites_lists_every_site_with_its_row_shape(qwen2_path):
+    res = subprocess.run([sys.executable, "-m", "graphtap.cli", "sites", str(qwen2_path),
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["architecture"] == "Qwen2ForCausalLM" and report["slots"]
+    sites = {r["site"]: r["shape"] for r in report["sites"]}
+    assert len(sites) == 3 * 8  # 3 layers x 8 kinds
+    assert sites["blocks.0.hook_resid_pre"] == [256]
+    assert sites["blocks.2.attn.hook_q"] == [4, 64] and sites["blocks.2.attn.hook_k"] == [2, 64]
+    assert "FLASH_ATTN" in report["patterns"]
+    human = subprocess.run([sys.executable, "-m", "graphtap.cli", "sites", str(qwen2_path)],
+                           capture_output=True, text=True, timeout=120)
+    assert human.returncode == 0 and "blocks.2.attn.hook_pattern" in human.stdout
