@@ -9,6 +9,8 @@
 #                    moment (bench_twin.py; TWIN_ARGS="--rates 4,16 --bursts 16,64 ...")
 #   profile <model>  capture rows/s and host time per mode (profile_capture.py;
 #                    PROFILE_ARGS="--modes idle,dump,idle" to narrow it)
+#   serve <model>    vllm bench serve against a stock and a graphtap server
+#                    (benchmarks/serve_bench.py; SERVE_ARGS="--num-prompts 24 ...")
 #   report           merge results into benchmarks/results/tpot.md
 # Results are written to $OUT (the device tool brings them back) and benchmarks/results.
 set -euo pipefail
@@ -24,6 +26,10 @@ while [ $# -gt 0 ]; do
                -m benchmarks.gpu.bench_twin --model "$2" --out "$OUT" ${TWIN_ARGS:-}; shift 2 ;;
     profile) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
                -m benchmarks.gpu.profile_capture --model "$2" ${PROFILE_ARGS:-}; shift 2 ;;
+    serve)  PYTHONPATH=$DEPS:$GT_SITE python3 -m benchmarks.serve_bench --model "$2" \
+               --stock-path /tmp/vllm-site/stock:$DEPS \
+               --graphtap-path /tmp/vllm-site/patched:$DEPS:$GT_SITE --out "$OUT" \
+               ${SERVE_ARGS:---num-prompts 24}; shift 2 ;;
     *)      model=$1 variant=$2; shift 2
             site=/tmp/vllm-site/$([ "$variant" = stock ] && echo stock || echo patched)
             PYTHONPATH=$site:$DEPS:$GT_SITE python3 -m benchmarks.gpu.bench_tpot \
