@@ -174,10 +174,10 @@ def test_frontend_salts_and_admits_within_the_vector_table():
     fe = GraphtapFrontend(SHAPE)
     p1 = _Params({"steer": [steer(vector=[1.0] * 8)]})
     assert fe.process_request("r1", p1, None).startswith("graphtap:")
-    assert fe.process_request("r1", p1 := _Params({"steer": [steer(vector=[1.0] * 8)]}), "user") \
-        .startswith("user|graphtap:")
+    salted = fe.process_request("r1", p1 := _Params({"steer": [steer(vector=[1.0] * 8)]}), "user")
+    assert salted.startswith("graphtap:") and salted.endswith("|user:user")
     plain = _Params()
-    assert fe.process_request("r0", plain, "user") == "user" and plain.hooks is None
+    assert fe.process_request("r0", plain, "user") == "user:user" and plain.hooks is None
     http = _Params(extra_args={"hooks": '{"steer": [%s]}' % str(steer()).replace("'", '"')})
     assert fe.process_request("r2", http, None) and http.hooks["steer"][0]["a"] == 2.0
     p2 = _Params({"steer": [steer(vector=[2.0] * 8)]})
@@ -217,7 +217,7 @@ def test_capture_limits_and_prefix_cache_reads():
     fe = GraphtapFrontend(SHAPE)
     p = _Params({"capture": [{"site": "blocks.0.hook_resid_post"}]})
     p.skip_reading_prefix_cache = None
-    assert fe.process_request("r", p, "salt") == "salt"  # capture alone changes no KV
+    assert fe.process_request("r", p, "salt") == "user:salt"  # capture alone changes no KV
     assert p.skip_reading_prefix_cache is True  # but must recompute cached prompt positions
     p2 = _Params({"capture": [{"site": "blocks.0.hook_resid_post"}]})
     p2.n = 2

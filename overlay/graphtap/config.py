@@ -40,6 +40,13 @@ class HookConfig(BaseModel):
     """Rows one request may get back (positions x sites; patterns: query positions x
     heads), bounded at admission from its spec, prompt length and max_tokens. A
     Llama-3-8B residual row is 8 KiB in bf16: the default bounds a response at 512 MiB."""
+    max_response_bytes: int = Field(256 * 2**20, ge=1)
+    """Bytes of captures one request may get back (rows x row width x element size;
+    patterns: each query row holds position + 1 keys), bounded at admission like
+    max_response_rows: a request's rows gather in host memory until it finishes."""
+    max_live_capture_bytes: int = Field(2 * 2**30, ge=1)
+    """Bytes of captures all live requests may get back together (split evenly over the
+    API server processes); a request past it is refused at admission, retry later."""
     max_request_bytes: int = Field(16 * 2**20, ge=1024)
     """The OpenAI server refuses a larger request body with a 413 before reading it."""
     vectors_dir: str | None = None

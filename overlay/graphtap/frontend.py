@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import msgspec
+
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
@@ -14,7 +16,7 @@ from graphtap.courier import assemble
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)
-from graphtap.spec.limits import check_response_rows
+from graphtap.spec.limits import check_response_size
 from graphtap.wire import encode
 
 
@@ -36,7 +38,10 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
         max_captures=config.max_captures,
         num_heads=mc.get_num_attention_heads(vllm_config.parallel_config),
         num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
-        save_root=config.save_root, max_response_rows=config.max_response_rows)
+        head_dim=mc.get_head_size(), dtype=str(mc.dtype).removeprefix("torch."),
+        save_root=config.save_root, max_response_rows=config.max_response_rows,
+        max_response_bytes=config.max_response_bytes,
+        max_live_capture_bytes=config.max_live_capture_bytes)
 
 
 class GraphtapFrontend(HookFrontend):
@@ -51,6 +56,7 @@ class GraphtapFrontend(HookFrontend):
         self._live: dict[str, set[str]] = {}
         self._refs: Counter[str] = Counter()
         self._finish: dict[str, NormalisedSpec] = {}  # what finish_outputs needs per request
+        self._bytes: dict[str, int] = {}  # live requests' capture byte estimates
         self.api_servers = 1  # API server processes, each with a frontend of its own
 
     @classmethod
@@ -84,10 +90,10 @@ class GraphtapFrontend(HookFrontend):
             params.extra_args = {k: v for k, v in params.extra_args.items() if k != "hooks"}
         if not raw:
             params.hooks = None
-            return cache_salt
+            return combined_salt(cache_salt, NormalisedSpec())  # namespaced all the same
         spec = normalise(parse_spec(raw), self.shape, self.vectors)
-        check_response_rows(spec, prompt_len, params.max_tokens or 1,
-                            self.shape.max_model_len, self.shape.max_response_rows)
+        size = check_response_size(spec, prompt_len, params.max_tokens or 1, self.shape)
+        spec = msgspec.structs.replace(spec, capture_bytes=size)
         if spec.captures_anything and getattr(params, "n", 1) > 1:
             # Each sample is its own engine request, but RequestOutput.hooks has room for
             # one set of captures: refuse rather than return one sample's rows silently.
@@ -98,29 +104,43 @@ class GraphtapFrontend(HookFrontend):
             # Prompt positions served from the prefix cache never run through the model,
             # so a capturing request recomputes its prompt (it still writes the cache).
             params.skip_reading_prefix_cache = True
-        return combined_salt(cache_salt, spec)
+        return combined_salt(cache_salt, spec, prompt_len)
 
     def admit_request(self, request) -> None:
         params = request.sampling_params
         spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
         keys = {s.key for s in spec.steer}
+        # N API server processes (or data-parallel frontends) feed one worker table: each
+        # holds at most its share, so together they never overflow it.
+        share = max(self.shape.max_vectors // max(self.api_servers, 1), 1)
         with self._lock:
             new = [k for k in keys if self._refs[k] == 0]
             held = sum(1 for n in self._refs.values() if n > 0)
-            if held + len(new) > self.shape.max_vectors:
+            if held + len(new) > share:
                 raise HookSpecError(
                     f"hooks.steer: this request needs {len(new)} new resident vector(s) and "
-                    f"live requests hold {held} of the {self.shape.max_vectors} slots "
-                    f"(hook_config.max_vectors); retry when some finish, or raise the limit")
+                    f"live requests hold {held} of the {share} slots this API server may "
+                    f"hold (hook_config.max_vectors {self.shape.max_vectors} over "
+                    f"{self.api_servers} server(s)); retry when some finish, or raise it")
+            live = sum(self._bytes.values())
+            budget = self.shape.max_live_capture_bytes // max(self.api_servers, 1)
+            if spec.capture_bytes and live + spec.capture_bytes > budget:
+                raise HookSpecError(
+                    f"hooks.capture: this request may return {spec.capture_bytes} bytes and "
+                    f"live requests may return {live} of the {budget} this API server holds "
+                    f"(hook_config.max_live_capture_bytes); retry when some finish")
             if keys:
                 self._live[request.request_id] = keys
                 self._refs.update(keys)
+            if spec.capture_bytes:
+                self._bytes[request.request_id] = spec.capture_bytes
             if spec.captures_anything:
                 self._finish[request.request_id] = spec
 
     def release_request(self, request_id: str) -> None:
         with self._lock:
             self._finish.pop(request_id, None)  # aborted before it finished
+            self._bytes.pop(request_id, None)
             keys = self._live.pop(request_id, None)
             if keys:
                 self._refs.subtract(keys)

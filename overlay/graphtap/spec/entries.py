@@ -69,6 +69,7 @@ class NormalisedSpec(msgspec.Struct, frozen=True):
     pattern: tuple[PatternEntry, ...] = ()
     save_to: str | None = None
     encoding: str = "raw"  # of the captures in an HTTP response: "raw" or "safetensors"
+    capture_bytes: int = 0  # at most this many bytes of rows come back (set at admission)
 
     @property
     def captures_anything(self) -> bool:

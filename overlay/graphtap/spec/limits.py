@@ -1,10 +1,15 @@
-"""Bounds checked at admission, from a normalised spec and the request's lengths."""
+"""Bounds checked at admission, from a normalised spec and the request's lengths: rows and
+bytes one request may get back (host memory in the engine core and the frontend, where a
+request's rows gather until it finishes)."""
 from __future__ import annotations
 
 import numpy as np
 
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import position_mask
+from graphtap.spec.sites import KV_HEAD_KINDS, RESID_KINDS
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def response_rows(spec: NormalisedSpec, prompt_len: int, max_tokens: int, max_len: int) -> int:
@@ -32,3 +37,39 @@ def check_response_rows(spec: NormalisedSpec, prompt_len: int, max_tokens: int,
                          f"x sites, pattern heads counted), more than the engine's {bound} "
                          f"per request (hook_config.max_response_rows); capture fewer "
                          f"positions or sites, or lower max_tokens")
+
+
+def response_bytes(spec: NormalisedSpec, prompt_len: int, max_tokens: int, shape) -> int:
+    """At most how many bytes the request's captures hold: rows times row width times
+    element size (patterns: each query row holds position + 1 keys)."""
+    max_len = shape.max_model_len
+    ran = max(min(prompt_len + max(max_tokens, 1) - 1, max_len), 0)
+    model = DTYPE_BYTES.get(shape.dtype, 4)
+    head_dim = shape.head_dim or shape.hidden_size // max(shape.num_heads, 1)
+    total = 0
+    for c in spec.capture:
+        size = 4 if c.dtype == "float32" else model
+        if c.kind in RESID_KINDS:
+            width = shape.hidden_size
+        else:
+            heads = shape.num_kv_heads if c.kind in KV_HEAD_KINDS else shape.num_heads
+            width = len(c.heads or range(heads)) * head_dim
+        total += int(np.count_nonzero(position_mask(c.positions, prompt_len, max_len)[:ran])) \
+            * width * size
+    for p in spec.pattern:
+        size = 4 if p.dtype == "float32" else model
+        wanted = np.flatnonzero(position_mask(p.positions, prompt_len, max_len)[:ran])
+        total += int((wanted + 1).sum()) * len(p.heads) * size
+    return total
+
+
+def check_response_size(spec: NormalisedSpec, prompt_len: int, max_tokens: int, shape) -> int:
+    """The request's byte estimate, or a ValueError past the per-request budget."""
+    check_response_rows(spec, prompt_len, max_tokens, shape.max_model_len,
+                        shape.max_response_rows)
+    size = response_bytes(spec, prompt_len, max_tokens, shape)
+    if size > shape.max_response_bytes:
+        raise ValueError(f"hooks.capture: this request may return {size} bytes of captures, "
+                         f"more than the engine's {shape.max_response_bytes} per request "
+                         f"(hook_config.max_response_bytes)")
+    return size

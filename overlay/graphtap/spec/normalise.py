@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 
 import numpy as np
 from pydantic import BaseModel
@@ -30,6 +31,10 @@ class ModelShape(BaseModel):
     num_kv_heads: int = 0
     save_root: str | None = None
     max_response_rows: int = 65536
+    dtype: str = "float32"  # the model's: steering arithmetic must stay finite in it
+    head_dim: int = 0
+    max_response_bytes: int = 256 * 2**20
+    max_live_capture_bytes: int = 2 * 2**30
 
 
 def steer_bounds(s: Steer) -> tuple[float, float, float]:
@@ -86,6 +91,31 @@ def _heads(heads, site: Site, i: int, shape: ModelShape) -> tuple[int, ...] | No
     return tuple(sorted(set(heads)))
 
 
+# The largest finite value of each model dtype; a request's steering at one position is
+# kept below 1/16 of it, so that the stream it edits (and the KV cache made from it)
+# stays finite: an inf there turns into NaN downstream (inf * 0, inf - inf) and reaches
+# other requests through reused cache blocks.
+DTYPE_MAX = {"float32": 3.4028235e38, "bfloat16": 3.3895314e38, "float16": 65504.0}
+HEADROOM = 1 / 16
+
+
+def _float32(x: float | None, field: str) -> None:
+    if x is not None and math.isfinite(x) and abs(x) > DTYPE_MAX["float32"]:
+        raise ValueError(f"{field}: {x} overflows float32, the precision of the steering "
+                         f"tables")
+
+
+def _magnitude(s: Steer, data: bytes, i: int, shape: ModelShape) -> float:
+    """What this steer can add at a position, at most: |a| max|v|, or a bound it sets."""
+    peak = float(np.abs(np.frombuffer(data, np.float32)).max())
+    dtype_max = DTYPE_MAX.get(shape.dtype, DTYPE_MAX["float32"])
+    if peak > dtype_max:
+        raise ValueError(f"hooks.steer[{i}].vector: a value of {peak:g} overflows the "
+                         f"model's {shape.dtype}")
+    a, lo, hi = steer_bounds(s)
+    return abs(a) * peak + max((abs(x) for x in (lo, hi) if math.isfinite(x)), default=0.0)
+
+
 def _vector(s: Steer, i: int, shape: ModelShape, vectors: VectorRegistry | None) -> bytes:
     """A steer's vector as float32 bytes: its values, or the registered vector it names."""
     if isinstance(s.vector, str):
@@ -111,13 +141,21 @@ def _steers(spec: HookSpec, shape: ModelShape,
     if len(spec.steer) > shape.max_steers:
         raise ValueError(f"hooks.steer: {len(spec.steer)} steers, more than the engine's "
                          f"{shape.max_steers} per request (hook_config.max_steers)")
-    steers = []
+    steers, reach = [], 0.0
+    dtype_max = DTYPE_MAX.get(shape.dtype, DTYPE_MAX["float32"])
     for i, s in enumerate(spec.steer):
+        for name in ("scale", "target", "min", "max"):
+            _float32(getattr(s, name), f"hooks.steer[{i}].{name}")
         site = _site(s.site, f"hooks.steer[{i}]", shape)
         if not site.is_residual:
             raise ValueError(f"hooks.steer[{i}].site: steering acts on the residual stream "
                              f"(hook_resid_pre|mid|post); {site.name} can be captured only")
         raw = _vector(s, i, shape, vectors)
+        reach += _magnitude(s, raw, i, shape)
+        if reach > dtype_max * HEADROOM:
+            raise ValueError(f"hooks.steer[{i}]: this request's steering reaches {reach:g} at "
+                             f"a position, past 1/16 of the largest {shape.dtype} "
+                             f"({dtype_max:g}): the stream would overflow")
         a, lo, hi = steer_bounds(s)
         steers.append(SteerEntry(site.layer, site.kind, raw, vector_key(raw), a, lo, hi,
                                  _positions(s.positions, f"hooks.steer[{i}]",
@@ -163,10 +201,22 @@ def normalise(spec: HookSpec, shape: ModelShape,
                           encoding=spec.encoding)
 
 
+SAVE_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SAVE_DEPTH = 8
+
+
 def _save_to(save_to: str | None, root: str | None, captures: bool) -> str | None:
-    """The directory, resolved inside the engine's save_root, or a clear refusal."""
+    """The directory, resolved inside the engine's save_root, or a clear refusal. A plain
+    relative path: at most 8 names of letters, digits, '.', '_' and '-', each starting
+    with a letter or digit (no '~', '..', absolute paths or empty names)."""
     if save_to is None:
         return None
+    segments = save_to.split("/") if isinstance(save_to, str) else []
+    if not segments or len(segments) > SAVE_DEPTH or \
+            not all(SAVE_SEGMENT.fullmatch(seg) for seg in segments):
+        raise ValueError(f"hooks.save_to: {short(save_to)} is not a plain relative folder "
+                         f"(at most {SAVE_DEPTH} names of 1-64 letters, digits, '.', '_', "
+                         f"'-', each starting with a letter or digit)")
     if not captures:
         raise ValueError("hooks.save_to: nothing is captured, so nothing would be saved")
     if root is None:

@@ -9,21 +9,32 @@ import msgspec
 from graphtap.spec.entries import NormalisedSpec
 
 
-def steering_salt(spec: NormalisedSpec) -> str | None:
+RELATIVE = ("prompt", "generated", "last_prompt")  # rules whose positions depend on the prompt
+
+
+def steering_salt(spec: NormalisedSpec, prompt_len: int = 0) -> str | None:
     """Content hash of everything that changes the KV cache, or None when nothing does.
-    A content hash, never a name: EasySteer's name-keyed cache reused stale steering."""
+    A content hash, never a name: EasySteer's name-keyed cache reused stale steering.
+    Rules relative to the prompt steer different positions for different prompt lengths,
+    so their blocks of a shared prefix differ: the length is part of their hash."""
     if not spec.steer:
         return None
-    h = hashlib.sha256(b"graphtap-steer-v1")
+    h = hashlib.sha256(b"graphtap-steer-v2")
     for s in spec.steer:
         h.update(json.dumps([s.layer, s.kind, s.key, s.a, s.lo, s.hi,
                              msgspec.to_builtins(s.positions)]).encode())
+    if any(s.positions in RELATIVE for s in spec.steer):
+        h.update(f"prompt_len={prompt_len}".encode())
     return h.hexdigest()[:32]
 
 
-def combined_salt(user_salt: str | None, spec: NormalisedSpec) -> str | None:
-    """The request's cache salt: the user's, with the steering's appended."""
-    salt = steering_salt(spec)
+def combined_salt(user_salt: str | None, spec: NormalisedSpec,
+                  prompt_len: int = 0) -> str | None:
+    """The request's cache salt, in two namespaces no user string can cross: a user's own
+    salt becomes "user:<salt>", a steered request's "graphtap:<hash>" (then its user's).
+    A plain request without a salt keeps none, as in stock vLLM."""
+    salt = steering_salt(spec, prompt_len)
+    user = None if user_salt is None else f"user:{user_salt}"
     if salt is None:
-        return user_salt
-    return f"{user_salt}|graphtap:{salt}" if user_salt else f"graphtap:{salt}"
+        return user
+    return f"graphtap:{salt}" + (f"|{user}" if user else "")

@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+# Strict: a JSON true or "2.5" is not a number, 1.0 is not a head; integers are floats.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
 OPS = ("add", "set_projection", "ablate", "clamp")
 
 
@@ -29,7 +32,7 @@ NAMED_POSITIONS = ("all", "prompt", "generated", "last_prompt")
 class PositionRange(BaseModel):
     """Positions start <= p < end (end exclusive, like a Python slice)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     start: int = Field(ge=0)
     end: int = Field(gt=0)
 
@@ -48,6 +51,8 @@ def _parse_positions(p: Any):
         return p
     if isinstance(p, dict) or isinstance(p, PositionRange):
         return PositionRange.model_validate(p)
+    if hasattr(p, "tolist") and not isinstance(p, (str, dict)):  # numpy / torch
+        p = p.tolist()
     if isinstance(p, list):
         if not p:
             raise ValueError("an empty list selects nothing")
@@ -58,10 +63,20 @@ def _parse_positions(p: Any):
     raise ValueError("expected a name, a list of positions or {\"start\": s, \"end\": e}")
 
 
+def _plain(value: Any) -> Any:
+    """numpy / torch values (offline callers) as the JSON values they stand for."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        return value.tolist()
+    if isinstance(value, list) and value and hasattr(value[0], "item") and \
+            not isinstance(value[0], (bool, int, float)):
+        return [v.item() if hasattr(v, "item") else v for v in value]
+    return value
+
+
 class Steer(BaseModel):
     """One edit of the residual stream at one site."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     site: str
     op: Literal["add", "set_projection", "ablate", "clamp"]
@@ -77,6 +92,11 @@ class Steer(BaseModel):
     @classmethod
     def _positions(cls, p: Any):
         return _parse_positions(p)
+
+    @field_validator("vector", "scale", "target", "min", "max", mode="before")
+    @classmethod
+    def _numpy(cls, v: Any):
+        return _plain(v)
 
     @field_validator("vector")
     @classmethod
@@ -117,7 +137,7 @@ class Steer(BaseModel):
 class Capture(BaseModel):
     """Rows of one site returned with the request."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     site: str
     positions: Any = "all"
@@ -131,11 +151,16 @@ class Capture(BaseModel):
     def _positions(cls, p: Any):
         return _parse_positions(p)
 
+    @field_validator("heads", mode="before")
+    @classmethod
+    def _numpy(cls, v: Any):
+        return _plain(v)
+
 
 class HookSpec(BaseModel):
     """A request's whole spec, as the user wrote it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     steer: list[Steer] = Field(default_factory=list)
     capture: list[Capture] = Field(default_factory=list)
     save_to: str | None = None

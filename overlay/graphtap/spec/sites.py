@@ -16,8 +16,10 @@ ATTN_KINDS = ("attn_q", "attn_k", "attn_v", "attn_z", "attn_pattern")
 KINDS = RESID_KINDS + ATTN_KINDS
 PATTERN = "attn_pattern"
 KV_HEAD_KINDS = ("attn_k", "attn_v")  # heads counted in KV heads (GQA), as TransformerLens
-_NAME = re.compile(r"^blocks\.(\d+|\*)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|"
-                   r"attn\.hook_q|attn\.hook_k|attn\.hook_v|attn\.hook_z|attn\.hook_pattern)$")
+# One spelling per site: ASCII digits without leading zeros, nothing before or after
+# (fullmatch: "$" would let a trailing newline through, and \d Unicode digits).
+_NAME = re.compile(r"blocks\.(0|[1-9][0-9]*|\*)\.(hook_resid_pre|hook_resid_mid|hook_resid_post|"
+                   r"attn\.hook_q|attn\.hook_k|attn\.hook_v|attn\.hook_z|attn\.hook_pattern)")
 
 
 def _kind(tail: str) -> str:
@@ -50,7 +52,7 @@ class Site:
 
 def parse_site(name: str, num_layers: int) -> Site:
     """'blocks.3.hook_resid_post' -> Site(3, 'resid_post'); ValueError with the reason."""
-    m = _NAME.match(name) if isinstance(name, str) else None
+    m = _NAME.fullmatch(name) if isinstance(name, str) else None
     if not m or m.group(1) == "*":
         raise ValueError(f"unknown site {short(name)}: expected blocks.<layer>.hook_resid_pre|"
                          f"hook_resid_mid|hook_resid_post or blocks.<layer>.attn.hook_q|"
@@ -66,7 +68,7 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[Site]:
     """Configured site patterns ('blocks.*.hook_resid_post' allowed) -> sorted unique sites."""
     sites: set[Site] = set()
     for pattern in patterns:
-        m = _NAME.match(pattern) if isinstance(pattern, str) else None
+        m = _NAME.fullmatch(pattern) if isinstance(pattern, str) else None
         if not m:
             raise ValueError(f"hook_config.sites: unknown site pattern {short(pattern)}")
         layers = range(num_layers) if m.group(1) == "*" else [int(m.group(1))]
