@@ -1,5 +1,6 @@
 """A capture too large for the buffer yields the documented error; others are unharmed."""
 import pytest
+import torch
 
 from graphtap.testing.engines import make_llm, shutdown, tokenize
 
@@ -48,8 +49,12 @@ def test_pattern_overflow_is_an_error_too(engine, llama_path):
                            [p(too_big), p(fits)], use_tqdm=False)
     assert outs[0].hooks.error and "hook_config.pattern_rows" in outs[0].hooks.error
     assert len(outs[0].outputs[0].token_ids) == 4
-    # The batch neighbour's pattern overflowed with the step: reported, never partial.
     assert list(outs[1].outputs[0].token_ids) == list(reference.outputs[0].token_ids)
     alone = engine.generate([{"prompt_token_ids": plain}], p(fits), use_tqdm=False)[0]
     assert alone.hooks.error is None
     assert alone.hooks["blocks.0.attn.hook_pattern"].shape == (1, 1, len(plain))
+    # Its neighbour overflowed the step; its own rows fitted: it gets them (issue 16,
+    # item 5: they were withheld with the neighbour's), the same as alone.
+    assert outs[1].hooks.error is None
+    assert torch.equal(outs[1].hooks["blocks.0.attn.hook_pattern"],
+                       alone.hooks["blocks.0.attn.hook_pattern"])

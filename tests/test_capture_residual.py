@@ -131,6 +131,24 @@ def test_save_to_writes_one_safetensors_file_per_request(engine, llama_path, sav
     for out in outs:
         d = by_len[len(out.hooks.positions[SITES[0]])]
         assert torch.equal(d[SITES[1]], out.hooks[SITES[1]])
+        assert out.hooks.save_error is None and (save_root / out.hooks.saved_to).is_file()
+
+
+def test_a_failed_save_fails_that_save_only(engine, llama_path, save_root):
+    """Issue 16 item 7: a save_to that passes admission but cannot be written (a file
+    or a symlink on the way) fails that request's save, with the reason; its captures
+    still come back and the engine serves the next request."""
+    ids = tokenize(llama_path, ["Numbers like 12, 40"])
+    (save_root / "afile").write_text("x")
+    (save_root / "alink").symlink_to(save_root.parent)
+    for bad in ("afile/run", "alink/run"):
+        out = generate(engine, ids, [capture(save_to=bad)])[0]
+        assert out.hooks.saved_to is None and out.hooks.save_error.startswith(
+            "hooks.save_to: not saved"), out.hooks.save_error
+        assert out.hooks[SITES[1]].shape[0] == len(ids[0]) + 7
+    assert not list(save_root.parent.glob("run"))
+    ok = generate(engine, ids, [capture(save_to="after")])[0]
+    assert ok.hooks.save_error is None and (save_root / ok.hooks.saved_to).is_file()
 
 
 def test_soak_200_requests_attributed_exactly(engine, llama_path):
@@ -177,5 +195,5 @@ def test_soak_200_requests_attributed_exactly(engine, llama_path):
 def test_save_to_stays_inside_save_root(engine, llama_path):
     ids = tokenize(llama_path, ["Numbers like 12, 40"])
     for bad in ("../escape", "/etc"):
-        with pytest.raises(ValueError, match=r"hooks.save_to: .* is outside hook_config.save_root"):
+        with pytest.raises(ValueError, match=r"hooks.save_to: .* is not a plain relative folder"):
             generate(engine, ids, [capture(save_to=bad)])

@@ -15,9 +15,12 @@ SITE = "blocks.1.hook_resid_post"
 
 
 def step(rows, labels, count, slot_to_req, formats, names, capacity=100):
-    """A capture step as the capture family hands it to the courier."""
-    return CaptureStep(StepRows(rows, labels, torch.tensor([count]), slot_to_req, formats,
-                                names, capacity, OverflowKind.CAPTURE_ROWS))
+    """A capture step as the capture family hands it to the courier: rows written, then
+    per request slot the units it wanted (here: its labelled rows)."""
+    wanted = torch.bincount(labels[:count, 0], minlength=max(slot_to_req) + 2)
+    return CaptureStep(StepRows(rows, labels, torch.cat([torch.tensor([count]), wanted]),
+                                slot_to_req, formats, names, capacity,
+                                OverflowKind.CAPTURE_ROWS))
 
 
 def finished(rows, pos):

@@ -49,12 +49,16 @@ def test_triton_routing_matches_the_reference(n, rows, heads):
         route_rows_triton(tri, slot, brow, positions.to(torch.int32), 100, block=16)
         if not heads:
             assert torch.equal(tri.dst[:, :n], ref.dst[:, :n]), seed
-        assert tri.count.item() == ref.count.item()
-        used = min(ref.count.item(), rows)
+        assert torch.equal(tri.count, ref.count), seed  # in all, and per request slot
+        assert torch.equal(tri.fits, ref.fits) and ref.count[1 + SLOTS] == 0
+        # whole requests, while they fit: rows written = what the fitting slots wanted
+        assert ref.count[0] == (ref.count[1:] * ref.fits).sum() <= rows
+        used = min(int(ref.count[0]), rows)
         assert torch.equal(tri.labels[:used], ref.labels[:used]), seed
         assert (tri.labels[used:, Label.SITE] == -1).all()
         assert (ref.labels[used:, Label.SITE] == -1).all()
-    assert ref.count.item() > 0  # the tables do route something
+    assert ref.count[1:].sum() > 0  # the tables do route something
+    assert rows == 0 or ref.count[0] > 0
 
 
 @pytest.mark.parametrize("heads", [False, True], ids=["captures", "patterns"])
@@ -71,8 +75,8 @@ def test_sync_free_reference_labels_the_same_rows(heads):
         positions = torch.randint(0, 100, (n,), generator=g)
         route_rows_reference(compact, slot, brow, positions, 100, sync_free=False)
         route_rows_reference(dense, slot, brow, positions, 100, sync_free=True)
-        used = min(int(compact.count), rows)
-        assert compact.count == dense.count and torch.equal(compact.labels[:used],
+        used = min(int(compact.count[0]), rows)
+        assert torch.equal(compact.count, dense.count) and torch.equal(compact.labels[:used],
                                                             dense.labels[:used])
         assert torch.equal(compact.labels[:, Label.SITE], dense.labels[:, Label.SITE])
         if not heads:
@@ -93,7 +97,7 @@ def test_pattern_units_are_site_major_then_token_then_head():
     slot = torch.tensor([0, 0, 1, SLOTS])  # a: two tokens, b: one, then padding
     route_rows_reference(t, slot, torch.tensor([0, 0, 1, 0]), torch.tensor([5, 6, 2, 0]), 100)
     cols = [Label.SITE, Label.TOKEN, Label.HEAD, Label.SLOT, Label.POSITION, Label.BATCH_ROW]
-    got = t.labels[: int(t.count)][:, cols].tolist()
+    got = t.labels[: int(t.count[0])][:, cols].tolist()
     assert got == [[0, 2, 0, 1, 2, 1], [0, 2, 1, 1, 2, 1],  # site 0: b's heads 0, 1
                    [1, 0, 1, 0, 5, 0], [1, 0, 3, 0, 5, 0],  # site 1: a's token 0
                    [1, 1, 1, 0, 6, 0], [1, 1, 3, 0, 6, 0],  # a's token 1
@@ -107,7 +111,7 @@ def test_triton_routing_with_nothing_wanted_routes_every_row_to_the_trash():
     t.dst.fill_(7)
     route_rows_triton(t, torch.full((40,), SLOTS), torch.zeros(40, dtype=torch.long),
                       torch.arange(40), 100, block=16)  # all sentinel
-    assert (t.dst[:, :40] == 50).all() and t.count.item() == 0
+    assert (t.dst[:, :40] == 50).all() and not t.count.any()
 
 
 @pytest.mark.parametrize("n", [1, 17, 64, 90], ids=["one", "blocks", "exact", "padding"])
@@ -149,3 +153,43 @@ def test_backend_is_chosen_once_at_start(monkeypatch):
     assert gpu.name == "triton+torch-routing" and gpu.route_rows is route_rows_reference
     monkeypatch.delenv("GRAPHTAP_TORCH_ROUTING")
     assert backend.select_backend(torch.device("cuda")).name == "triton"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_overflow_fails_only_the_requests_that_do_not_fit(backend):
+    """Issue 16 item 5: a big request first in the batch must not take a small one's rows
+    with it. Requests get rows whole, in slot order, while they fit."""
+    from graphtap.courier import CaptureStep, StepRows
+    from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
+    from graphtap.ops.route import route_rows_reference
+    from graphtap.ops.route_triton import route_rows_triton
+
+    t = tables(0, sites=2, rows=20, heads=False)
+    t.entry_site.fill_(-1)
+    t.entry_pos.fill_(-1)  # every position
+    t.entry_site[0, :2] = torch.tensor([0, 1])  # big: 2 sites x 15 tokens = 30 > 20
+    t.entry_site[2, 0] = 1  # small: 1 site x 2 tokens
+    t.entry_site[3, 0] = 0  # another small one, after the big one too
+    slot = torch.tensor([0] * 15 + [2, 2] + [3] + [SLOTS] * 4)
+    brow = torch.tensor([0] * 15 + [1, 1] + [2] + [0] * 4)
+    positions = torch.cat([torch.arange(15), torch.arange(2), torch.arange(1), torch.zeros(4)])
+    route = route_rows_reference if backend == "torch" else \
+        lambda *a: route_rows_triton(*a, block=16)
+    route(t, slot, brow, positions.long() if backend == "torch" else positions.int(), 100)
+    assert t.fits[[0, 2, 3]].tolist() == [0, 1, 1] and int(t.count[0]) == 3
+    assert t.count[1:5].tolist() == [30, 0, 2, 1]
+    t.buf[:3] = torch.arange(3.0)[:, None]
+    step = CaptureStep(StepRows(t.buf[:3].clone(), t.labels[:3, :3].clone(), t.count.clone(),
+                                {0: "big", 2: "small", 3: "other"}, {}, {0: "s0", 1: "s1"},
+                                t.rows, OverflowKind.CAPTURE_ROWS))
+    step.formats = {(2, 1): _fmt(), (3, 0): _fmt()}
+    out = step.per_request()
+    assert Overflow.from_tensor(out["big"][OVERFLOW]).wanted == 30 and len(out["big"]) == 1
+    assert out["small"]["s1@positions"].tolist() == [0, 1]
+    assert out["other"]["s0@positions"].tolist() == [0]
+
+
+def _fmt():
+    from graphtap.courier import RowFormat
+
+    return RowFormat(torch.float32, 4, None, 0)

@@ -153,3 +153,30 @@ def test_frontend_namespaces_a_plain_request_s_salt():
     steered = fe.process_request("s", _Params(steer()), None, 5)
     assert fe.process_request("p", _Params(None), steered, 5) != steered
     assert fe.process_request("p", _Params(None), None, 5) is None
+
+
+def _vllm_config(arch="LlamaForCausalLM", pp=1, tp=1, spec=None):
+    from types import SimpleNamespace as NS
+
+    return NS(model_config=NS(architectures=[arch], hf_text_config=NS(num_hidden_layers=4)),
+              parallel_config=NS(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+              speculative_config=spec)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(arch="GPT2LMHeadModel"), "GPT2LMHeadModel has no hook slots"),
+    (dict(pp=2), "pipeline_parallel_size > 1"),
+    (dict(spec=object()), "speculative decoding"),
+    (dict(tp=2), "tensor_parallel_size=1"),
+])
+def test_engines_graphtap_cannot_honour_do_not_start(kw, words):
+    """Item 3: any combination that would run requests unhooked, or return rows of
+    rejected drafts as theirs, is refused when the engine starts."""
+    from graphtap.config import load_hook_config
+    from graphtap.support import refuse_unsupported
+
+    config = load_hook_config({"sites": ["blocks.1.attn.hook_q", "blocks.1.hook_resid_post"]})
+    with pytest.raises(ValueError, match=words):
+        refuse_unsupported(_vllm_config(**kw), config)
+    refuse_unsupported(_vllm_config(), config)  # a plain Llama engine starts
+    refuse_unsupported(_vllm_config(tp=2), load_hook_config({}))  # residual sites: any TP

@@ -71,6 +71,46 @@ def test_inactive_rows_are_bit_identical():
     assert torch.equal(z, x)
 
 
+def _poisoned(t, tok_slot):
+    """Stale table state of earlier requests: inf/NaN in every vector and coefficient
+    that no active entry uses (unused entries, the sentinel, freed bank rows)."""
+    used = {int(t.vec[s, e]) for s in range(R) for e in range(E) if int(t.site[s, e]) >= 0}
+    for i in range(V + 1):
+        if i not in used:
+            t.bank[i] = float("nan") if i % 2 else float("inf")
+            t.inv_norm[i] = float("inf")
+    for s in range(R + 1):
+        for e in range(E):
+            if s == R or int(t.site[s, e]) < 0:
+                t.coef[s, e] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inactive_entries_contribute_exactly_zero_whatever_the_tables_hold(backend):
+    """Issue 16 items 1 and 10: a request must not inherit anything from the garbage an
+    earlier one left in its slot's rows, and padding rows whose stream is inf/NaN/-0
+    must come out bit for bit as they went in (0 * inf is NaN: stock never multiplies)."""
+    from graphtap.ops.steer_triton import steer_triton
+
+    op = steer_reference if backend == "torch" else steer_triton
+    t, tok_slot = random_tables(torch.float32)
+    for s in range(R):  # leave unused entries in every slot, and vectors nobody uses
+        t.site[s, E - 1] = -1
+    clean_x = torch.randn(N, H, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(N) % 12
+    clean = clean_x.clone()
+    op(t, tok_slot, clean, None, pos, 1)
+    _poisoned(t, tok_slot)
+    x = clean_x.clone()
+    pad = tok_slot == R
+    x[pad] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")]).repeat(H // 4)
+    before = x.clone()
+    op(t, tok_slot, x, None, pos, 1)
+    assert torch.equal(x[~pad].view(torch.int32), clean[~pad].view(torch.int32))
+    assert torch.equal(x[pad].view(torch.int32), before[pad].view(torch.int32))
+    assert pad.any() and not torch.equal(clean, clean_x)
+
+
 def test_ops_semantics_on_one_row():
     t = engine_tables(max_reqs=1, max_tokens=1, max_steers=1, max_vectors=1, hidden=4,
                       max_len=8).ops.steer

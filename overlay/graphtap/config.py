@@ -24,7 +24,13 @@ class HookConfig(BaseModel):
     """Capture entries (sites) per request."""
     save_root: str | None = None
     """Directory under which requests may ask for `save_to` files (none: refused), so a
-    request can never make the server write anywhere else."""
+    request can never make the server write anywhere else: `save_to` is a relative
+    folder of plain names, walked without following symlinks; files are written under a
+    temporary name and renamed. A failed save fails that request's save only
+    (`save_error` in its outputs), never the server."""
+    save_quota_bytes: int = Field(16 * 2**30, ge=0)
+    """Bytes of `save_to` files each API server process may write in its lifetime; past
+    it, saves fail with an error naming this option."""
     capture_rows: int = Field(4096, ge=1)
     """Rows of the device capture buffer, per step (each row: one position at one site,
     hidden_size values in the model's dtype). Part of the memory vLLM profiles; a step

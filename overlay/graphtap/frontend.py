@@ -7,17 +7,23 @@ import threading
 from collections import Counter
 
 import msgspec
+from vllm.logger import init_logger
 
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
 from graphtap.config import HookConfig
 from graphtap.courier import assemble
+from graphtap.courier.save import Saver
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)
 from graphtap.spec.limits import check_response_size
+from graphtap.support import refuse_unsupported
 from graphtap.wire import encode
+
+
+logger = init_logger(__name__)
 
 
 class HookSpecError(VLLMValidationError, ValueError):
@@ -41,7 +47,8 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
         head_dim=mc.get_head_size(), dtype=str(mc.dtype).removeprefix("torch."),
         save_root=config.save_root, max_response_rows=config.max_response_rows,
         max_response_bytes=config.max_response_bytes,
-        max_live_capture_bytes=config.max_live_capture_bytes)
+        max_live_capture_bytes=config.max_live_capture_bytes,
+        save_quota_bytes=config.save_quota_bytes)
 
 
 class GraphtapFrontend(HookFrontend):
@@ -58,9 +65,11 @@ class GraphtapFrontend(HookFrontend):
         self._finish: dict[str, NormalisedSpec] = {}  # what finish_outputs needs per request
         self._bytes: dict[str, int] = {}  # live requests' capture byte estimates
         self.api_servers = 1  # API server processes, each with a frontend of its own
+        self.saver = Saver(shape.save_root, shape.save_quota_bytes)
 
     @classmethod
     def for_engine(cls, vllm_config, config: HookConfig) -> "GraphtapFrontend":
+        refuse_unsupported(vllm_config, config)
         shape = model_shape(vllm_config, config)
         vectors = VectorRegistry(shape.hidden_size, config.max_registered_vectors)
         if config.vectors_dir:
@@ -149,10 +158,19 @@ class GraphtapFrontend(HookFrontend):
                         del self._refs[k]
 
     def finish_outputs(self, request_id: str, chunks) -> HookOutputs:
+        # Runs in AsyncLLM's output handler, where an exception stops the API server:
+        # whatever goes wrong fails this request's hooks only, with the reason.
         with self._lock:
             spec = self._finish.pop(request_id, None)
-        out = assemble(request_id, chunks, spec.save_to if spec else None)
+        try:
+            out = assemble(chunks)
+        except Exception as e:
+            logger.exception("graphtap: assembling request %s's hook outputs", request_id)
+            return HookOutputs(error=f"hooks: graphtap could not assemble this request's "
+                                     f"outputs ({type(e).__name__}: {e}); please report it")
         out.encoding = spec.encoding if spec else "raw"
+        if spec is not None and spec.save_to and not out.error:
+            self.saver.save(spec.save_to, request_id, out)
         return out
 
     def response_hooks(self, hooks) -> dict | None:

@@ -12,15 +12,19 @@ class HookOutputs(dict):
     through the model: the last sampled token never does, so it has no row. `error` is
     set (and the dict left empty) when the engine could not keep every row, for example
     when a step needed more rows than hook_config.capture_rows: rows are never dropped
-    silently.
+    silently. With `save_to`, `saved_to` names the file written (relative to the
+    server's save_root), or `save_error` says why none was.
     """
 
     def __init__(self, tensors=None, positions=None, error: str | None = None,
-                 encoding: str = "raw"):
+                 encoding: str = "raw", saved_to: str | None = None,
+                 save_error: str | None = None):
         super().__init__(tensors or {})
         self.positions: dict[str, Any] = dict(positions or {})
         self.error = error
         self.encoding = encoding  # how the OpenAI server writes it (graphtap.wire)
+        self.saved_to = saved_to  # the save_to file, relative to save_root, once written
+        self.save_error = save_error  # why it was not (the captures are still here)
 
     def __repr__(self) -> str:
         if self.error:

@@ -3,9 +3,8 @@ position) it captures, from the model's config alone (no weights, no engine)."""
 from __future__ import annotations
 
 from graphtap.spec.sites import ATTN_KINDS, RESID_KINDS, Site
+from graphtap.support import WITH_SLOTS
 
-# Decoder layers patch 0002 puts the slots in (Mistral uses Llama's layer).
-WITH_SLOTS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 PATTERNS = ("attn.hook_pattern needs a plain causal attention with an unquantised KV cache "
             "(no sliding window, no soft cap), on the CPU_ATTN (vec ISA), FLASH_ATTN, "
             "TRITON_ATTN or FLASHINFER backend; anything else is refused at engine start")

@@ -7,7 +7,9 @@ request's `HookOutputs`, and how the client reads it back. Importable without to
 `data` is base64 of the tensor's raw little-endian bytes, row-major. A request that asked
 for `"encoding": "safetensors"` gets `{"encoding": "safetensors", "data": "<base64>"}`
 instead: one safetensors file holding each site and its `<site>.positions`. Captures
-withheld (a step overflowed its buffer, say) come as `{"error": "..."}`.
+withheld (a step overflowed its buffer, say) come as `{"error": "..."}`. A request with
+`save_to` also gets `"saved_to"` (the file, relative to the server's save_root) or
+`"save_error"` (why it was not written; the captures still come back).
 """
 from __future__ import annotations
 
@@ -22,18 +24,24 @@ DTYPES = ("float32", "bfloat16", "float16")
 _NUMPY = {"float32": np.float32, "float16": np.float16}
 
 
+SAVE_KEYS = ("saved_to", "save_error")  # never site names (those start with "blocks.")
+
+
 def encode(outputs: HookOutputs) -> dict:
     """Server side (torch tensors in `outputs`)."""
     if outputs.error:
         return {"error": outputs.error}
+    saved = {k: getattr(outputs, k) for k in SAVE_KEYS if getattr(outputs, k, None)}
     if outputs.encoding == "safetensors":
         from safetensors.torch import save
 
         tensors = {**outputs, **{f"{k}.positions": v for k, v in outputs.positions.items()}}
-        return {"encoding": "safetensors", "data": base64.b64encode(save(tensors)).decode()}
-    return {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                   "positions": outputs.positions[name].tolist(),
-                   "data": base64.b64encode(_bytes(t)).decode()} for name, t in outputs.items()}
+        return {"encoding": "safetensors", "data": base64.b64encode(save(tensors)).decode(),
+                **saved}
+    return {**{name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                      "positions": outputs.positions[name].tolist(),
+                      "data": base64.b64encode(_bytes(t)).decode()}
+               for name, t in outputs.items()}, **saved}
 
 
 def _bytes(t) -> bytes:
@@ -50,6 +58,8 @@ def decode(obj: dict | None, as_torch: bool | None = None) -> HookOutputs | None
         return None
     if "error" in obj:
         return HookOutputs(error=obj["error"])
+    saved = {k: obj[k] for k in SAVE_KEYS if k in obj}
+    obj = {k: v for k, v in obj.items() if k not in SAVE_KEYS}
     torch = _torch(as_torch)
     if obj.get("encoding") == "safetensors":
         raw = base64.b64decode(obj["data"])
@@ -60,8 +70,8 @@ def decode(obj: dict | None, as_torch: bool | None = None) -> HookOutputs | None
         tensors = load(raw)
         names = [k for k in tensors if not k.endswith(".positions")]
         return HookOutputs({k: tensors[k] for k in names},
-                           {k: tensors[f"{k}.positions"] for k in names})
-    out = HookOutputs()
+                           {k: tensors[f"{k}.positions"] for k in names}, **saved)
+    out = HookOutputs(**saved)
     for name, site in obj.items():
         out[name] = _array(site, torch)
         positions = np.asarray(site["positions"], dtype=np.int64)

@@ -1,10 +1,8 @@
 """A finished request's hook outputs, from the chunks its steps sent (frontend process):
 rows in position order, the last row kept where a position ran twice (recomputation
-after preemption), patterns unpacked, an overflow as the error, and the request's
-safetensors file where it asked for one."""
+after preemption), patterns unpacked, an overflow as the error. The request's
+safetensors file, where it asked for one, is save.py's."""
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -22,8 +20,7 @@ def merge_chunks(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return {n: t[0] if len(t) == 1 else torch.cat(t) for n, t in names.items()}
 
 
-def assemble(request_id: str, chunks: list[dict[str, torch.Tensor]],
-             save_to: str | None = None) -> HookOutputs:
+def assemble(chunks: list[dict[str, torch.Tensor]]) -> HookOutputs:
     merged = merge_chunks(chunks)
     if OVERFLOW in merged:
         return HookOutputs(error=Overflow.from_tensor(merged[OVERFLOW]).message())  # the first
@@ -46,19 +43,7 @@ def assemble(request_id: str, chunks: list[dict[str, torch.Tensor]],
             keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
             rows, pos = rows[keep], pos[keep]
         out[name], out.positions[name] = _own(rows), _own(pos)
-    if save_to:
-        save(save_to, request_id, out)
     return out
-
-
-def save(directory: str, request_id: str, out: HookOutputs) -> None:
-    """One safetensors file per request, named after it."""
-    from safetensors.torch import save_file
-
-    os.makedirs(directory, exist_ok=True)
-    tensors = {**out, **{f"{k}.positions": v for k, v in out.positions.items()}}
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)
-    save_file(tensors, os.path.join(directory, f"{safe}.safetensors"))
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -57,12 +57,14 @@ class Overflow:
 
     def message(self) -> str:
         if self.kind == OverflowKind.HOST_BOUND:
-            return (f"hooks.capture: graphtap bug: a step wrote {self.wanted} rows where the "
-                    f"host expected at most {self.capacity}; this request's captures were "
-                    f"withheld rather than returned incomplete (please report it)")
+            return (f"hooks.capture: graphtap bug: this request wanted {self.wanted} rows of "
+                    f"a step whose copy home the host bounded at {self.capacity}; its "
+                    f"captures were withheld rather than returned incomplete (please "
+                    f"report it)")
         what, option = (("attention-pattern rows", "pattern_rows")
                         if self.kind == OverflowKind.PATTERN_ROWS else
                         ("capture rows", "capture_rows"))
-        return (f"hooks.capture: a step needed {self.wanted} {what} and the buffer holds "
-                f"{self.capacity} (hook_config.{option}); this request's captures are "
-                f"incomplete and were withheld")
+        return (f"hooks.capture: this request needed {self.wanted} {what} in one step, "
+                f"and the step's buffer holds {self.capacity} for all its requests "
+                f"(hook_config.{option}); its captures were withheld rather than returned "
+                f"incomplete")

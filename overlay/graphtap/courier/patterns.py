@@ -32,9 +32,9 @@ class PatternStep(LabelledStep):
     """A pattern step; labels (slot, site, position, head) per row."""
 
     def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
-        lost = self.overflow()
-        if lost is not None:
-            return lost
+        return {**self._gathered(), **self.overflow()}  # the lost ones: their error
+
+    def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {}
         for req, slot, site, labels, rows in self.groups(ORDER, SLOT, SITE):
             fmt = self.formats[(slot, site)]

@@ -31,9 +31,9 @@ class CaptureStep(LabelledStep):
     """A capture step; labels (slot, site, position) per row."""
 
     def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
-        lost = self.overflow()
-        if lost is not None:
-            return lost
+        return {**self._gathered(), **self.overflow()}  # the lost ones: their error
+
+    def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
         # Copies out of the pinned step buffer (a view would keep it from going back to
         # the caching host allocator) of the bytes returned only, in few large copies:
         # one per (site, output format) over the rows of its in-order groups, each

@@ -15,6 +15,9 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
+from graphtap.ops.tables import Label
+
+SLOT_COLUMN = int(Label.SLOT)
 
 
 class StepSnapshots:
@@ -45,7 +48,7 @@ class StepRows:
 
     rows: torch.Tensor  # [bound, columns] the step's used rows, the columns its formats read
     labels: torch.Tensor  # [bound, host label columns]
-    count: torch.Tensor  # [1] units the step wanted
+    count: torch.Tensor  # [1 + slots] rows the step wrote, then the units each slot wanted
     slot_to_req: dict[int, str]  # every request of the batch with entries in the family
     formats: dict[tuple[int, int], tuple]  # (slot, site) -> the family's output format
     site_names: dict[int, str]
@@ -81,15 +84,27 @@ class LabelledStep:
     def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
-    def overflow(self) -> dict[str, dict[str, torch.Tensor]] | None:
-        """Rows were lost: say so for every request with entries (never a partial
-        result)."""
-        wanted, room = int(self.count[0]), min(self.capacity, self.rows.shape[0])
-        if wanted <= room:
-            return None
-        kind = self.overflow_kind if wanted > self.capacity else OverflowKind.HOST_BOUND
-        flag = Overflow(kind, wanted, room).to_tensor()
-        return {req: {OVERFLOW: flag} for req in self.slot_to_req.values()}
+    def overflow(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The requests that lost rows this step, each with the overflow as its result
+        (never a partial one); empty when every row came home. The device counted the
+        units each request slot wanted, gave rows to whole requests while they fitted,
+        and labelled every row: a request with fewer labelled rows here than it wanted
+        lost some (it did not fit, or the host's bound on the copy was short), and only
+        such requests fail."""
+        written, wanted = int(self.count[0]), self.count[1:].numpy()
+        if written <= self.rows.shape[0] and written == int(wanted.sum()):
+            return {}  # every unit got a row and came home: the usual step
+        home = min(written, self.rows.shape[0])
+        slots = self.labels[:home, SLOT_COLUMN].numpy()
+        kept = np.bincount(slots, minlength=len(wanted)) if home else np.zeros_like(wanted)
+        short = written > self.rows.shape[0]
+        lost = {}
+        for slot, req in self.slot_to_req.items():
+            if kept[slot] < wanted[slot]:
+                kind = OverflowKind.HOST_BOUND if short else self.overflow_kind
+                room = self.rows.shape[0] if short else self.capacity
+                lost[req] = {OVERFLOW: Overflow(kind, int(wanted[slot]), room).to_tensor()}
+        return lost
 
     def sorted_labels(self, order: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """The used rows' labels sorted by the columns `order` (most significant

@@ -23,6 +23,7 @@ from graphtap.engine.tables import Sizes, allocate
 from graphtap.ops.backend import select_backend
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.sites import PATTERN, RESID_KINDS
+from graphtap.support import refuse_unsupported
 
 logger = init_logger(__name__)
 
@@ -60,12 +61,7 @@ class EngineHooks(HookManager):
         self.config = load_hook_config(hook_config(vllm_config))
         mc = vllm_config.model_config
         self.sites = self.config.site_table(mc.hf_text_config.num_hidden_layers)
-        attn_sites = [s.name for s in self.sites.sites if not s.is_residual]
-        if attn_sites and vllm_config.parallel_config.tensor_parallel_size > 1:
-            # Each rank holds a slice of the heads and only rank 0's output returns.
-            raise ValueError(f"hook_config.sites: attention sites ({attn_sites[0]}, ...) need "
-                             f"tensor_parallel_size=1; graphtap does not gather heads across "
-                             f"ranks yet (residual sites work with any TP size)")
+        refuse_unsupported(vllm_config, self.config)
         patterns = any(s.kind == PATTERN for s in self.sites.sites)
         backend = select_backend(device)
         widths = _widths(vllm_config)

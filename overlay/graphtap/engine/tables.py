@@ -80,7 +80,8 @@ def _rows(s: Sizes, block: SlotBlock, fields: EntryFields, rows: int, width: int
         entry_heads=None if fields.heads is None else block.view(fields.heads),
         dst=torch.full((sites, s.max_tokens), rows, dtype=torch.int64, device=device)
         if scatter else None,
-        labels=labels, count=torch.zeros((1,), dtype=torch.int64, device=device),
+        labels=labels, count=torch.zeros((s.max_reqs + 2,), dtype=torch.int64, device=device),
+        fits=torch.zeros((s.max_reqs + 1,), dtype=torch.int32, device=device),
         buf=torch.zeros((rows + 1, width), dtype=dtype, device=device),
         flags=torch.zeros((sites, s.max_tokens), dtype=torch.int32, device=device),
         block_counts=torch.zeros((sites * -(-s.max_tokens // ROUTE_MIN_BLOCK),),

@@ -66,14 +66,20 @@ def route_rows_reference(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
         want = torch.zeros((num_sites + 1, n, heads.shape[2]), dtype=torch.bool, device=dev)
         want.index_put_(target, heads & on[:, :, None])
     h = want.shape[2]
+    wanted = t.count[1:]
+    wanted.zero_()
+    wanted.index_add_(0, slot, want[:num_sites].sum((0, 2)).to(wanted.dtype))
+    sync_free = dev.type == "cuda" if sync_free is None else sync_free
+    _fit_requests(t.fits, wanted, t.rows, sync_free)
+    want[:num_sites] &= (t.fits[slot] != 0)[None, :, None]
     flat = want[:num_sites].flatten()
     index = torch.cumsum(flat, 0) - 1
-    dst = torch.where(flat & (index < t.rows), index, t.rows)
+    dst = torch.where(flat, index, t.rows)  # the requests that fit fit whole: index < K
     if t.dst is not None:
         t.dst[:, :n].copy_(dst.view(num_sites, n))
-    t.count.copy_(flat.sum().reshape(1))
+    t.count[:1].copy_(flat.sum().reshape(1))
     t.labels[:, Label.SITE].fill_(-1)
-    if dev.type == "cuda" if sync_free is None else sync_free:
+    if sync_free:
         _label_every_unit(t, dst, slot, brow, pos, tokens, num_sites, n, h)
     else:  # no device to stall: label the wanted units only (rows 0..k-1, in unit order)
         units = flat.nonzero().squeeze(1)[: t.rows]
@@ -82,6 +88,24 @@ def route_rows_reference(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
         columns = {Label.SLOT: slot[tok], Label.SITE: site_of, Label.POSITION: pos[tok],
                    Label.HEAD: head, Label.TOKEN: tok, Label.BATCH_ROW: brow[tok]}
         t.labels[: len(units)] = torch.stack([columns[c].to(LABEL_DTYPE) for c in Label], 1)
+
+
+def _fit_requests(fits: torch.Tensor, wanted: torch.Tensor, rows: int, sync_free: bool) -> None:
+    """fits[s] = 1 where slot s's units all get rows: slots taken whole, in order, while
+    the buffer has room for them (route_triton's _fit_kernel does the same)."""
+    if not sync_free:  # on the host: one pass
+        used, ok = 0, []
+        for c in wanted.tolist():
+            take = used + c <= rows
+            used += c if take else 0
+            ok.append(int(take))
+        fits.copy_(torch.tensor(ok, dtype=fits.dtype))
+        return
+    used = torch.zeros((), dtype=wanted.dtype, device=wanted.device)
+    for s in range(wanted.shape[0]):  # without a sync: a debugging path only
+        take = used + wanted[s] <= rows
+        fits[s] = take
+        used += torch.where(take, wanted[s], 0)
 
 
 def _label_every_unit(t: RowTables, dst, slot, brow, pos, tokens, num_sites, n, h) -> None:

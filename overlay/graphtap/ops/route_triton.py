@@ -1,11 +1,13 @@
-"""Per-step routing on the GPU (route.py's references, in three launches).
+"""Per-step routing on the GPU (route.py's references, in a few launches).
 
 The torch versions are ~8 (token slots) and ~35 (row units) small ops; on the H200's
 host each launch cost tens of microseconds, ~3 ms per capturing step on the engine's
 critical path, which small models pay in full. Here: one kernel finds each token row's
 request by binary search over the batch's query start locations; for a row family, one
-kernel counts the wanted units of each (site, block of tokens), a second turns the
-counts before a block into its first buffer row and writes rows and labels. Launch
+kernel counts the wanted units of each (site, block of tokens) and of each request, one
+program decides which requests fit whole, a third drops the units of those that do
+not, and a last turns the counts before a block into its first buffer row and writes
+rows and labels. Launch
 shapes and constexprs are fixed per engine (token and request counts only set the grid
 or are not specialised), so nothing is compiled after the warm-up at start.
 """
@@ -61,8 +63,8 @@ def _entry_hit(site_ptr, bits_ptr, entries, c, s, pos, W, m):
 
 @triton.jit(do_not_specialize=["n", "nb"])
 def _flags_kernel(slot_ptr, pos_ptr, site_ptr, bits_ptr, heads_ptr, flags_ptr, counts_ptr,
-                  n, nb, N, W, stride_slot, max_len, C: tl.constexpr, HEADS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  slot_count_ptr, n, nb, N, W, stride_slot, max_len, C: tl.constexpr,
+                  HEADS: tl.constexpr, BLOCK: tl.constexpr):
     s = tl.program_id(0)
     b = tl.program_id(1)
     offs = b * BLOCK + tl.arange(0, BLOCK)
@@ -82,6 +84,34 @@ def _flags_kernel(slot_ptr, pos_ptr, site_ptr, bits_ptr, heads_ptr, flags_ptr, c
                 k += (tl.load(heads_ptr + entries + c * HEADS + h, mask=on, other=0) != 0
                       ).to(tl.int32)
             units = tl.where(on, k, units)
+    tl.store(flags_ptr + s * N + offs, units, mask=m)
+    tl.store(counts_ptr + s * nb + b, tl.sum(units, axis=0))
+    # Per request slot, so that the rows go to the requests that fit whole.
+    tl.atomic_add(slot_count_ptr + slot, units.to(tl.int64), mask=m & (units > 0))
+
+
+@triton.jit(do_not_specialize=["slots"])
+def _fit_kernel(wanted_ptr, fits_ptr, slots, K):
+    """One program: slots taken whole, in order, while the buffer has room (a scan of a
+    few hundred scalars at most; route.py's _fit_requests)."""
+    used = tl.zeros((), dtype=tl.int64)
+    for s in range(0, slots):
+        c = tl.load(wanted_ptr + s)
+        take = used + c <= K
+        tl.store(fits_ptr + s, take.to(tl.int32))
+        used += tl.where(take, c, 0)
+
+
+@triton.jit(do_not_specialize=["n", "nb"])
+def _refit_kernel(slot_ptr, fits_ptr, flags_ptr, counts_ptr, n, nb, N, BLOCK: tl.constexpr):
+    """The units of slots that do not fit dropped from the flags and the block counts."""
+    s = tl.program_id(0)
+    b = tl.program_id(1)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    slot = tl.load(slot_ptr + offs, mask=m, other=0).to(tl.int64)
+    units = tl.load(flags_ptr + s * N + offs, mask=m, other=0)
+    units = tl.where(tl.load(fits_ptr + slot, mask=m, other=0) != 0, units, 0)
     tl.store(flags_ptr + s * N + offs, units, mask=m)
     tl.store(counts_ptr + s * nb + b, tl.sum(units, axis=0))
 
@@ -143,8 +173,7 @@ def _rows_kernel(flags_ptr, counts_ptr, slot_ptr, brow_ptr, pos_ptr, site_ptr, b
                          h + tl.zeros_like(pos), tok, brow, L, C_SLOT, C_SITE, C_POS, C_HEAD,
                          C_TOKEN, C_BROW)
             rank += on.to(tl.int64)
-    # The last block of the last site knows every count before it: the step's total
-    # (past K too: the courier reports an overflow from it).
+    # The last block of the last site knows every count before it: the rows written.
     total = base + tl.sum(units, axis=0)
     tl.store(count_ptr, total, mask=me == S * nb - 1)
 
@@ -153,8 +182,8 @@ def route_rows_triton(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
                       positions: torch.Tensor, max_len: int, block: int = BLOCK) -> None:
     n = slot.shape[0]
     t.labels[:, Label.SITE].fill_(-1)
+    t.count.zero_()
     if n == 0:
-        t.count.zero_()
         return
     num_sites, N = t.num_sites, t.flags.shape[1]
     nb = triton.cdiv(n, block)
@@ -165,8 +194,10 @@ def route_rows_triton(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
     grid = (num_sites, nb)
     c, w, stride = t.entry_site.shape[1], t.entry_pos.shape[2], t.entry_site.stride(0)
     _flags_kernel[grid](slot, positions, t.entry_site, t.entry_pos, heads_table, t.flags,
-                        t.block_counts, n, nb, N, w, stride, max_len, C=c, HEADS=heads,
-                        BLOCK=block)
+                        t.block_counts, t.count[1:], n, nb, N, w, stride, max_len, C=c,
+                        HEADS=heads, BLOCK=block)
+    _fit_kernel[(1,)](t.count[1:], t.fits, t.fits.shape[0], t.rows)
+    _refit_kernel[grid](slot, t.fits, t.flags, t.block_counts, n, nb, N, BLOCK=block)
     cols = dict(L=LABELS, C_SLOT=int(Label.SLOT), C_SITE=int(Label.SITE),
                 C_POS=int(Label.POSITION), C_HEAD=int(Label.HEAD), C_TOKEN=int(Label.TOKEN),
                 C_BROW=int(Label.BATCH_ROW))

@@ -18,26 +18,29 @@ from graphtap.ops.tables import SteerTables, position_bit
 def steer_reference(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
                     other: torch.Tensor | None, positions: torch.Tensor, site: int) -> None:
     """Torch implementation. The stream is x + other (x alone when other is None); the
-    change is written into x. Rows whose entries are all inactive get exactly +0."""
+    change is written into x. An inactive entry adds exactly zero and a row with no
+    active entry is left bit for bit as it was, whatever the tables or the stream hold
+    (stale inf/NaN rows, padding garbage): a product 0 * inf is NaN, so inactive values
+    are selected away (torch.where), never multiplied by zero."""
     n = x.shape[0]
     slot = tok_slot[:n]
     pos = positions[:n].long().clamp(0, t.max_len - 1)
     stream = x.float() if other is None else x.float() + other.float()
     delta = torch.zeros_like(stream)
+    touched = torch.zeros(n, dtype=torch.bool, device=x.device)
     for e in range(t.max_steers):
         active = (t.site[slot, e] == site) & position_bit(t.pos[slot, e], pos)
         vidx = t.vec[slot, e].long()
         v = t.bank[vidx].float()
         u = v * t.inv_norm[vidx].unsqueeze(1)
         coef = t.coef[slot, e]
-        a = torch.where(active, coef[:, 0], 0.0)
-        lo = torch.where(active, coef[:, 1], -torch.inf)
-        hi = torch.where(active, coef[:, 2], torch.inf)
         p = (stream * u).sum(-1)
-        d = a.unsqueeze(1) * v + (torch.clamp(p, lo, hi) - p).unsqueeze(1) * u
+        d = coef[:, :1] * v + (torch.clamp(p, coef[:, 1], coef[:, 2]) - p).unsqueeze(1) * u
+        d = torch.where(active.unsqueeze(1), d, 0.0)
         stream = stream + d
         delta = delta + d
-    x.add_(delta.to(x.dtype))
+        touched |= active
+    x.copy_(torch.where(touched.unsqueeze(1), x + delta.to(x.dtype), x))
 
 
 @torch.library.custom_op("graphtap::steer_resid_", mutates_args=("x",))

@@ -70,7 +70,11 @@ class RowTables:
       dst[S, N]                buffer row of (site, token row) this step; K = the trash
                                row (captures; None for patterns, whose op reads labels)
       labels[K+1, LABELS]      the Label columns of every buffer row
-      count[1]                 units this step wanted (more than K means overflow)
+      count[1 + R+1]           count[0]: rows written this step (<= K); count[1 + slot]: the
+                               units each request slot wanted
+      fits[R+1]                1 where a slot's units all got rows this step: requests are
+                               taken whole, in slot order, while they fit (one that does not
+                               gets none and fails alone; the rest keep theirs)
       buf[K+1, width]          the rows: captured values in the model's dtype, or
                                attention probabilities over key positions (float32)
       flags[S, N], block_counts[B]  scratch of the GPU routing kernels
@@ -82,6 +86,7 @@ class RowTables:
     dst: torch.Tensor | None
     labels: torch.Tensor
     count: torch.Tensor
+    fits: torch.Tensor
     buf: torch.Tensor
     flags: torch.Tensor
     block_counts: torch.Tensor

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
 
 import numpy as np
@@ -35,6 +34,7 @@ class ModelShape(BaseModel):
     head_dim: int = 0
     max_response_bytes: int = 256 * 2**20
     max_live_capture_bytes: int = 2 * 2**30
+    save_quota_bytes: int = 16 * 2**30
 
 
 def steer_bounds(s: Steer) -> tuple[float, float, float]:
@@ -222,8 +222,4 @@ def _save_to(save_to: str | None, root: str | None, captures: bool) -> str | Non
     if root is None:
         raise ValueError("hooks.save_to: this engine has no hook_config.save_root, so "
                          "requests may not write files")
-    base = os.path.realpath(root)
-    path = os.path.realpath(os.path.join(base, save_to))
-    if os.path.commonpath([base, path]) != base:
-        raise ValueError(f"hooks.save_to: {save_to!r} is outside hook_config.save_root")
-    return path
+    return save_to  # relative: the frontend's saver walks it from save_root (no links)
