@@ -15,6 +15,9 @@ def test_serve_passes_graphtap_and_vllm_arguments_through():
     assert json.loads(argv[i + 1]) == {"max_vectors": 8, "sites": ["blocks.*.hook_resid_post"]}
     assert argv[argv.index("--hook-manager") + 1] == "graphtap"
     assert argv[-4:] == ["--port", "8001", "--api-key", "k"]
+    assert argv[argv.index("--worker-extension-cls") + 1] == "graphtap.runner_info.RunnerInfoExtension"
+    own = serve_argv("m", None, None, ["--worker-extension-cls", "mine.Ext"])
+    assert own.count("--worker-extension-cls") == 1  # the caller's own wins
 
 
 def test_sites_lists_every_site_with_its_row_shape(qwen2_path):

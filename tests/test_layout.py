@@ -16,8 +16,9 @@ ALLOWED = {
     "wire": {"outputs"},
     "ops": set(),
     "courier": {"outputs", "ops.tables"},
-    "engine": {"spec", "config", "ops", "courier"},
-    "frontend": {"spec", "config", "courier", "outputs", "wire"},
+    "support": set(),
+    "engine": {"spec", "config", "ops", "courier", "support"},
+    "frontend": {"spec", "config", "courier", "outputs", "wire", "support"},
     "server": {"config"},
     "client": {"outputs", "wire"},
 }

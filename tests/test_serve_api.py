@@ -226,6 +226,22 @@ BAD = [  # (hooks, the field the 4xx must name)
     ({"steer": [], "colour": 1}, "hooks.colour"),
     ({"steer": [{"site": "blocks.2.hook_resid_post", "op": "add", "vector": "x" * 10 ** 5}]},
      "hooks.steer[0].vector"),
+    # issue 16: values that overflow the float32 tables (and poisoned the next request),
+    # bools and numeric strings as numbers, sites spelled another way, save_to "~"
+    ({"steer": [{"site": "blocks.2.hook_resid_post", "op": "add", "scale": 1e300,
+                 "vector": [1.0] * 256}]}, "hooks.steer[0].scale"),
+    ({"steer": [{"site": "blocks.2.hook_resid_post", "op": "set_projection", "target": 1e300,
+                 "vector": [1.0] * 256}]}, "hooks.steer[0].target"),
+    ({"steer": [{"site": "blocks.2.hook_resid_post", "op": "add", "scale": True,
+                 "vector": [1.0] * 256}]}, "hooks.steer[0].scale"),
+    ({"steer": [{"site": "blocks.2.hook_resid_post", "op": "add", "vector": ["1.0"] * 256}]},
+     "hooks.steer[0].vector"),
+    ({"capture": [{"site": "blocks.1.attn.hook_q", "heads": [True]}]},
+     "hooks.capture[0].heads"),
+    ({"capture": [{"site": "blocks.02.hook_resid_post"}]}, "hooks.capture[0].site"),
+    ({"capture": [{"site": "blocks.2.hook_resid_post\n"}]}, "hooks.capture[0].site"),
+    ({"capture": [{"site": "blocks.\u0662.hook_resid_post"}]}, "hooks.capture[0].site"),
+    ({"capture": [{"site": "blocks.2.hook_resid_post"}], "save_to": "~"}, "hooks.save_to"),
 ]
 
 
@@ -483,3 +499,141 @@ def test_withheld_captures_reach_the_client_as_an_error(server, offline, llama_p
     assert first[0] == 200 and "hook_config.pattern_rows" in first[1]["choices"][0]["hooks"]["error"]
     assert decode(first[1]["choices"][0]["hooks"]).error
     assert second[0] == 200 and second[1]["choices"][0]["token_ids"] == offline["tokens"]
+    # its own captures fitted the step: it gets them (issue 16 item 5)
+    assert_same(decode(second[1]["choices"][0]["hooks"], as_torch=True), offline["hooks"])
+
+
+@pytest.mark.parametrize("xargs", [False, True], ids=["hooks", "vllm_xargs"])
+def test_beam_search_with_hooks_is_refused(server, offline, xargs):
+    """Beam search makes its own SamplingParams per beam: the beams ran unsteered and
+    the server answered 200 (issue 16 item 3)."""
+    status, body = completion(server, offline["ids"], {"steer": STEER}, xargs=xargs,
+                              use_beam_search=True, n=2)
+    assert status == 400 and "beam search" in json.dumps(body), body
+    plain = completion(server, offline["ids"], use_beam_search=True, n=2)
+    assert plain[0] == 200, plain  # without hooks, beam search works as in stock vLLM
+
+
+def raw_post(base, path, data: bytes):
+    import urllib.request
+
+    req = urllib.request.Request(base + path, data, {"Content-Type": "application/json",
+                                                     "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.parametrize("depth", [3000, 100_000])
+def test_json_python_cannot_parse_is_a_400_naming_the_body(server, offline, depth):
+    """Nested thousands deep (a 500 before) or a 5000-digit number (a 400 naming no
+    field): a 400 naming the body, and the next request is served as before."""
+    prefix = json.dumps({"model": "m", "prompt": offline["ids"], "max_tokens": 8,
+                         "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+    nested = prefix[:-1].encode() + b', "hooks": {"steer": ' + b"[" * depth + b"]" * depth + b"}}"
+    digits = prefix[:-1].encode() + b', "seed": ' + b"7" * 5000 + b"}"
+    for body in (nested, digits):
+        status, answer = raw_post(server, "/v1/completions", body)
+        assert status == 400 and answer["error"]["param"] == "body", (status, answer)
+    again = completion(server, offline["ids"], SPEC)
+    assert again[0] == 200 and again[1]["choices"][0]["token_ids"] == offline["tokens"]
+
+
+FUZZED = 150
+
+
+def test_fuzzed_specs_over_http_are_never_a_5xx_and_harm_nothing(server, offline):
+    """Issue 16's fuzzer against the server: every spec is served or refused with a 4xx
+    naming a hooks field; never a 5xx or a hang; after each refusal a valid request
+    returns exactly its earlier output (tokens and captures)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from spec_strategies import specs, valid_specs
+
+    good = completion(server, offline["ids"], SPEC)[1]["choices"][0]
+    seen = {"refused": 0, "served": 0}
+
+    @settings(max_examples=FUZZED, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.one_of(specs(256, 4, 4), valid_specs(256, ["blocks.2.hook_resid_post",
+                                                         "blocks.1.attn.hook_q"], 4, 4)))
+    def one(raw):
+        status, body = completion(server, offline["ids"], raw, max_tokens=2)
+        assert status < 500, (raw, status, body)
+        if status == 200:
+            seen["served"] += 1
+            return
+        seen["refused"] += 1
+        assert 400 <= status < 500 and "hooks" in json.dumps(body), (raw, status, body)
+        again = completion(server, offline["ids"], SPEC)
+        assert again[0] == 200 and again[1]["choices"][0]["token_ids"] == good["token_ids"]
+        assert_same(decode(again[1]["choices"][0]["hooks"], as_torch=True),
+                    decode(good["hooks"], as_torch=True))
+
+    one()
+    assert seen["refused"] > FUZZED // 3 and seen["served"] > 10, seen
+
+
+def stats(base):
+    import httpx
+
+    r = httpx.get(base + "/v1/graphtap/stats", headers={"Authorization": f"Bearer {KEY}"},
+                  timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def held(snapshot) -> dict:
+    """The non-zero counts of a stats snapshot (resident vectors and saved bytes aside:
+    they stay by design)."""
+    out = {k: v for k, v in snapshot["frontend"].items() if v and k != "saved_bytes"}
+    for i, worker in enumerate(snapshot["workers"] or []):
+        for family, counts in worker.items():
+            out.update({f"worker{i}.{family}.{k}": v for k, v in counts.items()
+                        if v and k != "vectors_resident"})
+    return out
+
+
+def wait_until_free(base):
+    """Polls the stats until nothing is held. vLLM tells the runner which requests ended
+    (aborted by a disconnect, say) with its next step: a one-token request lets it run."""
+    import time
+
+    for _ in range(60):
+        snapshot = stats(base)
+        if not held(snapshot):
+            return snapshot
+        time.sleep(0.5)
+        completion(base, [1, 2, 3], max_tokens=1)
+    raise AssertionError(f"still held: {held(snapshot)}")
+
+
+def test_a_client_that_leaves_while_its_prompt_prefills_frees_everything(server, offline,
+                                                                          llama_path):
+    """Fault test (issue 16): the client goes away before the first token; the server
+    notices, aborts the request and frees its vectors, slots and byte budget."""
+    import httpx
+
+    long = tokenize(llama_path, ["Interpretability engineers read the residual stream of a "
+                                 "transformer. " * 20])[0][:400]
+    body = {"model": "m", "prompt": long, "max_tokens": 50, "temperature": 0.0,
+            "ignore_eos": True, "stream": True,
+            "hooks": {"steer": [{**STEER[0], "vector": vector(256, 77)}], "capture": CAPTURE}}
+    try:
+        httpx.post(server + "/v1/completions", json=body, timeout=0.05,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    except httpx.TimeoutException:
+        pass  # gone before anything came back
+    snapshot = wait_until_free(server)
+    assert snapshot["workers"], snapshot  # the runner probe answered for every worker
+    again = completion(server, offline["ids"], SPEC)
+    assert again[0] == 200 and again[1]["choices"][0]["token_ids"] == offline["tokens"]
+
+
+def test_everything_is_free_once_every_request_has_ended(server):
+    """After every test above (disconnects, refusals, overflows, the fuzzer): nothing
+    is held in the frontend or the worker."""
+    wait_until_free(server)

@@ -155,3 +155,83 @@ def test_resident_vector_table_refuses_at_admission(engines):
     assert set(drain(engine)) == {"x"}
     engine.add_request("y", {"prompt_token_ids": mix_ids[1]}, params(two_new))  # fits now (LRU)
     assert set(drain(engine)) == {"y"}
+
+
+def test_one_shared_params_object_steers_every_prompt(engines, llama_path):
+    """Issue 16 item 2, offline: one SamplingParams with skip_clone=True for many prompts
+    (vLLM then shallow-copies it per prompt): every prompt is steered."""
+    llm, _, mix_ids, _ = engines
+    solo = [batch(llm, [ids], [MIX_HOOKS[1]])[0] for ids in mix_ids[:3]]
+    shared = params(MIX_HOOKS[1], skip_clone=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in mix_ids[:3]], shared,
+                        use_tqdm=False)
+    assert [result(o) for o in outs] == solo
+
+
+def test_a_user_salt_never_reaches_steered_blocks(engines):
+    """Issue 16 item 4: a plain request that sends, as its own cache_salt, the salt a
+    steered request gets must not fill blocks the steered request then reads."""
+    llm, _, _, (ids, _) = engines
+    frontend = llm.llm_engine.input_processor.hooks
+    salt = frontend.process_request("probe", params(STEER), None, len(ids))
+    one = lambda p, h=None: llm.generate([p], params(h), use_tqdm=False)[0]
+    llm.reset_prefix_cache()
+    cold = result(one({"prompt_token_ids": ids}, STEER))
+    llm.reset_prefix_cache()
+    one({"prompt_token_ids": ids, "cache_salt": salt})  # plain, the steered salt as its own
+    warm = one({"prompt_token_ids": ids}, STEER)
+    assert not warm.num_cached_tokens and result(warm) == cold
+
+
+def test_relative_rules_never_share_blocks_across_prompt_lengths(engines):
+    """Issue 16 item 4: "generated" steers a request's own output; the next turn sends
+    that output back as prompt, where the rule does not steer it. Its blocks (cached
+    while they were generated, steered) must not be read as the new prompt's."""
+    llm, _, _, (ids, _) = engines
+    rule = {"steer": [{**STEER["steer"][0], "positions": "generated"}]}
+    one = lambda i, n=16: llm.generate([{"prompt_token_ids": i}], params(rule, n),
+                                       use_tqdm=False)[0]
+    llm.reset_prefix_cache()
+    first = one(ids, 40)
+    turn = ids + list(first.outputs[0].token_ids)
+    llm.reset_prefix_cache()
+    cold = result(one(turn))
+    llm.reset_prefix_cache()
+    one(ids, 40)
+    warm = one(turn)
+    assert not warm.num_cached_tokens and result(warm) == cold
+
+
+def held(llm) -> tuple[dict, list[dict]]:
+    """What the frontend and the worker hold now (graphtap's stats)."""
+    return llm.llm_engine.input_processor.hooks.stats(), llm.collective_rpc("graphtap_hook_stats")
+
+
+def assert_all_free(llm):
+    frontend, workers = held(llm)
+    assert not any(v for k, v in frontend.items() if k != "saved_bytes"), frontend
+    for worker in workers:
+        for family, counts in worker.items():
+            assert not any(v for k, v in counts.items() if k != "vectors_resident"), \
+                (family, counts)
+
+
+def test_aborts_free_everything(engines):
+    """Fault test (issue 16): requests aborted through the engine, mid-decode and while
+    still prefilling, leave nothing held in the frontend or the worker, and the engine
+    serves the next request as before."""
+    llm, rec, mix_ids, (ids, _) = engines
+    engine = llm.llm_engine
+    steer = MIX_HOOKS[1]
+    engine.add_request("decoding", {"prompt_token_ids": mix_ids[1]}, params(steer, 200))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("prefilling", {"prompt_token_ids": ids * 3}, params(STEER, 50))
+    engine.abort_request(["decoding", "prefilling"])
+    drain(engine)
+    frontend, _ = held(llm)
+    assert not any(v for k, v in frontend.items() if k != "saved_bytes"), frontend
+    # vLLM tells the runner which requests ended with its next step: the worker frees
+    # them then (before that step's new requests take slots).
+    assert batch(llm, [mix_ids[0]], [None])[0] == rec["mix"][0]
+    assert_all_free(llm)

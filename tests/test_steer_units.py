@@ -13,6 +13,8 @@ from graphtap.spec.positions import position_bitmap
 from helpers import engine_tables
 
 H, R, E, V, N, L = 64, 4, 3, 5, 24, 100
+BANK_SHAPE = ModelShape(num_layers=4, hidden_size=H, max_model_len=L, max_steers=E,
+                        max_vectors=8, configured_sites={"blocks.1.hook_resid_post"})
 
 
 def random_tables(dtype, seed=0):
@@ -322,3 +324,36 @@ def test_hook_manager_refuses_the_v1_model_runner():
     assert hook_manager_cls(cfg(True)) is GraphtapHookManager
     # without a manager nothing is asked of the runner
     assert hook_manager_cls(SimpleNamespace(additional_config={})) is None
+
+
+def test_a_full_vector_bank_refuses_the_request_not_the_engine():
+    """Issue 16 item 9: when more live requests hold vectors than the worker's table has
+    rows (frontends that disagree with the worker), the worker raised and the engine
+    died; now that request alone is refused, with its error, and runs no steering."""
+    from graphtap.courier import assemble
+    from graphtap.engine.families.steer import SteerFamily
+    from graphtap.spec.sites import Site, SiteTable
+
+    et = engine_tables(max_reqs=R, max_tokens=N, max_steers=E, max_vectors=2, hidden=H,
+                       max_len=L)
+    family = SteerFamily(et, SiteTable([Site(1, "resid_post")]))
+
+    def spec(seed):
+        vec = np.random.default_rng(seed).standard_normal(H).astype(np.float32).tolist()
+        return normalise(parse_spec({"steer": [{"site": "blocks.1.hook_resid_post",
+                                                "op": "add", "vector": vec}]}), BANK_SHAPE)
+
+    for slot in range(3):
+        family.add_request(slot, f"r{slot}", 4, spec(slot))
+    et.slots.apply()
+    part = family.snapshot()
+    errors = part.per_request()
+    assert list(errors) == ["r2"]
+    message = assemble([errors["r2"]]).error
+    assert message.startswith("hooks.steer: refused by the engine") and "unsteered" in message
+    assert (et.ops.steer.site[2] == -1).all()  # slot 2 steers nothing
+    assert family.snapshot() is None  # reported once
+    family.remove_request("r0")
+    family.add_request(0, "r3", 4, spec(3))  # a row is free again
+    et.slots.apply()
+    assert family.snapshot() is None and (et.ops.steer.site[0] >= 0).any()

@@ -142,9 +142,11 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
             last = load == "qk" and not k
             labels += [(r, s, p) for p in range(rows_each) if not last or p == rows_each - 1]
     n, cols = len(labels), max(map(columns, formats.values()))
-    return CaptureStep(StepRows(torch.randn(n, cols).to(torch.bfloat16), torch.tensor(labels),
-                                torch.tensor([n]), {r: f"r{r}" for r in range(reqs)}, formats,
-                                names, 1 << 20, OverflowKind.CAPTURE_ROWS))
+    labels = torch.tensor(labels)
+    count = torch.cat([torch.tensor([n]), torch.bincount(labels[:, 0], minlength=reqs + 1)])
+    return CaptureStep(StepRows(torch.randn(n, cols).to(torch.bfloat16), labels, count,
+                                {r: f"r{r}" for r in range(reqs)}, formats, names, 1 << 20,
+                                OverflowKind.CAPTURE_ROWS))
 
 
 @pytest.mark.parametrize("reqs,rows_each,load", [(64, 1, "dump"), (16, 256, "dump"),
@@ -158,3 +160,29 @@ def test_courier_split(benchmark, reqs, rows_each, load):
     out = benchmark(snap.per_request)
     name = snap.site_names[1]
     assert len(out) == reqs and out["r0"][name].shape[0] == rows_each
+
+
+@pytest.mark.parametrize("spec", ["valid-8x4096", "junk-5MB"])
+def test_spec_validation(benchmark, spec):
+    """Admission of a large spec runs on the API server's event loop (issue 16, item
+    11): it must stay in milliseconds, a 5 MB body of junk included (bodies past
+    hook_config.max_request_bytes never reach it)."""
+    import json
+
+    from graphtap.spec import ModelShape, normalise, parse_spec
+
+    shape = ModelShape(num_layers=4, hidden_size=4096, max_model_len=4096, max_steers=8,
+                       max_vectors=64, configured_sites={"blocks.1.hook_resid_post"},
+                       num_heads=32, num_kv_heads=8)
+    length, count = (4096, 8) if spec.startswith("valid") else (400_000, 1)
+    raw = json.loads(json.dumps({"steer": [{"site": "blocks.1.hook_resid_post", "op": "add",
+                                            "vector": [0.123456789] * length}] * count}))
+
+    def admit():
+        try:
+            return normalise(parse_spec(raw), shape)
+        except ValueError as e:
+            return e
+
+    out = benchmark(admit)
+    assert isinstance(out, ValueError) == spec.startswith("junk")

@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from graphtap.runner_info import WORKER_EXTENSION
+
 
 def serve_argv(model: str, sites: list[str] | None, hook_config: str | None,
                rest: list[str]) -> list[str]:
@@ -18,8 +20,12 @@ def serve_argv(model: str, sites: list[str] | None, hook_config: str | None,
     config = json.loads(hook_config) if hook_config else {}
     if sites:
         config["sites"] = sites
+    # The runner probe (GET /v1/graphtap/stats reads the workers through it), unless the
+    # caller brings a worker extension of their own.
+    probe = [] if any(a.startswith("--worker-extension-cls") for a in rest) else \
+        ["--worker-extension-cls", WORKER_EXTENSION]
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-            "--hook-manager", "graphtap", "--hook-config", json.dumps(config), *rest]
+            "--hook-manager", "graphtap", "--hook-config", json.dumps(config), *probe, *rest]
 
 
 def _serve(args, rest: list[str]) -> int:

@@ -13,8 +13,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
 from graphtap.config import HookConfig
-from graphtap.courier import assemble
-from graphtap.courier.save import Saver
+from graphtap.courier import Saver, assemble
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)
@@ -145,6 +144,15 @@ class GraphtapFrontend(HookFrontend):
                 self._bytes[request.request_id] = spec.capture_bytes
             if spec.captures_anything:
                 self._finish[request.request_id] = spec
+
+    def stats(self) -> dict:
+        """What this frontend holds now (leak checks: zeros once every request ended)."""
+        with self._lock:
+            return {"requests_with_vectors": len(self._live),
+                    "vectors_held": sum(1 for n in self._refs.values() if n > 0),
+                    "requests_capturing": len(self._finish),
+                    "live_capture_bytes": sum(self._bytes.values()),
+                    "saved_bytes": self.saver.written}
 
     def release_request(self, request_id: str) -> None:
         with self._lock:

@@ -31,5 +31,11 @@ class RunnerInfoExtension:
         }
 
 
+    def graphtap_hook_stats(self) -> dict:
+        """What the worker's hook families hold now (graphtap.engine.manager.stats)."""
+        hooks = self.model_runner.hooks  # type: ignore[attr-defined]
+        return hooks.stats() if hasattr(hooks, "stats") else {}
+
+
 def _name(value) -> str:
     return getattr(value, "name", str(value))

@@ -2,10 +2,12 @@
 stream, are split per request once there, and become a finished request's
 `RequestOutput.hooks` in the frontend (overflow as a typed error, `save_to` files)."""
 from graphtap.courier.assemble import assemble
-from graphtap.courier.chunks import Overflow, OverflowKind
+from graphtap.courier.chunks import Overflow, OverflowKind, RequestErrors
 from graphtap.courier.patterns import PatternFormat, PatternStep
 from graphtap.courier.rows import CaptureStep, RowFormat, columns
+from graphtap.courier.save import Saver
 from graphtap.courier.snapshot import LabelledStep, StepRows, StepSnapshots
 
 __all__ = ["CaptureStep", "LabelledStep", "Overflow", "OverflowKind", "PatternFormat",
-           "PatternStep", "RowFormat", "StepRows", "StepSnapshots", "assemble", "columns"]
+           "PatternStep", "RequestErrors", "RowFormat", "Saver", "StepRows", "StepSnapshots", "assemble",
+           "columns"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from graphtap.courier.chunks import OVERFLOW, Overflow, is_data_key, positions_key, ragged_name
+from graphtap.courier.chunks import (ERROR, OVERFLOW, Overflow, error_message, is_data_key,
+                                     positions_key, ragged_name)
 from graphtap.courier.patterns import unpack_patterns
 from graphtap.outputs import HookOutputs
 
@@ -22,6 +23,8 @@ def merge_chunks(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
 
 def assemble(chunks: list[dict[str, torch.Tensor]]) -> HookOutputs:
     merged = merge_chunks(chunks)
+    if ERROR in merged:
+        return HookOutputs(error=error_message(merged[ERROR]))
     if OVERFLOW in merged:
         return HookOutputs(error=Overflow.from_tensor(merged[OVERFLOW]).message())  # the first
     out = HookOutputs()

@@ -9,6 +9,32 @@ from enum import IntEnum
 import torch
 
 OVERFLOW = "graphtap:overflow"  # key of an overflow report in a chunk
+ERROR = "graphtap:error"  # key of a worker's refusal of a request (UTF-8 bytes)
+
+
+def error_tensor(message: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(message.encode()), dtype=torch.uint8)
+
+
+def error_message(t: torch.Tensor) -> str:
+    return bytes(t.numpy().tobytes()).decode(errors="replace")
+
+
+class RequestErrors:
+    """A step part holding the worker's refusals of requests, each delivered as that
+    request's error (the worker never raises over one request: the engine would die)."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = errors
+
+    def to_cpu_nonblocking(self) -> None:
+        pass
+
+    def release_device(self) -> None:
+        pass
+
+    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {req: {ERROR: error_tensor(m)} for req, m in self.errors.items()}
 
 
 def positions_key(name: str) -> str:
@@ -28,7 +54,7 @@ def ragged_name(key: str) -> str | None:
 
 def is_data_key(key: str) -> bool:
     """Whether `key` holds a site's rows (not positions, ragged values or an overflow)."""
-    return "@" not in key and key != OVERFLOW
+    return "@" not in key and key not in (OVERFLOW, ERROR)
 
 
 class OverflowKind(IntEnum):

@@ -40,6 +40,9 @@ class HookFamily(Protocol):
         """After the forward: this step's rows for the courier (a courier StepRows
         consumer such as CaptureStep), or None."""
 
+    def stats(self) -> dict:
+        """Counts of what it holds (requests, slots, vectors), for leak checks."""
+
 
 class FamilyBase:
     """No-op defaults for the optional parts of the protocol."""
@@ -58,3 +61,7 @@ class FamilyBase:
 
     def snapshot(self):
         return None
+
+    def stats(self) -> dict:
+        """What the family holds now (leak checks: all zero once every request ended)."""
+        return {}

@@ -151,6 +151,10 @@ class EngineHooks(HookManager):
         for family in self.families:
             family.deactivate()
 
+    def stats(self) -> dict:
+        """Per family what it holds now; GET /v1/graphtap/stats shows it per worker."""
+        return {family.name: family.stats() for family in self.families}
+
     def collect(self, input_batch, dummy_run):
         if dummy_run:
             return None

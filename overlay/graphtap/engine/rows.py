@@ -102,6 +102,13 @@ class RowFamily(FamilyBase):
             self._cols.pop(slot, None)
             self._ends[slot] = 0
             del self._wanted[req_id]
+            f = self.fields  # inactive again (written with the next staged writes)
+            self.slots.reset(slot, [x for x in (f.site, f.pos, f.heads) if x is not None])
+
+    def stats(self) -> dict:
+        return {"requests": len(self._slot_of),
+                "active_slots": int((self.slots.host_view(self.fields.site) >= 0)
+                                    .any(axis=1).sum())}
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._slot_of

@@ -5,6 +5,7 @@
                                          a file of one)
     GET    /v1/graphtap/vectors         name, dim, norm and sha256 of each
     DELETE /v1/graphtap/vectors/{name}
+    GET    /v1/graphtap/stats           what the hook frontend and each worker hold now
 
 A live request keeps its vector whatever happens to the name: names are resolved into
 the vector's values when a request is admitted."""
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse
 from vllm.v1.worker.gpu.hooks import request_frontend
 
 from graphtap.config import load_hook_config
-from graphtap.server.limits import BodyLimit
+from graphtap.server.limits import BodyLimit, JsonGuard
 
 router = APIRouter()
 
@@ -71,7 +72,23 @@ async def delete(name: str, request: Request):
     return {"deleted": name}
 
 
+@router.get("/v1/graphtap/stats")
+async def stats(request: Request):
+    """What the engine's hook frontend and workers hold now: all zeros (vectors stay
+    resident, unheld) once every request has ended, whatever ended them. A worker
+    learns which requests ended (an abort, a disconnect) with vLLM's next step, and
+    frees them then."""
+    workers = None
+    try:
+        workers = await request.app.state.engine_client.collective_rpc("graphtap_hook_stats")
+    except Exception:  # no runner probe (graphtap serve adds it): the frontend's alone
+        pass
+    return {"frontend": request_frontend(request).stats(), "workers": workers}
+
+
 def attach(app: FastAPI, args) -> None:
     config = load_hook_config(getattr(args, "hook_config", None))
     app.include_router(router)
+    # The last added runs first: the size bound, then the JSON guard on bounded bodies.
+    app.add_middleware(JsonGuard)
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)

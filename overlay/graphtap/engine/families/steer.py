@@ -4,7 +4,8 @@ rules from each token's actual position, so chunked prefill, preemption and spec
 decoding need nothing here."""
 from __future__ import annotations
 
-from graphtap.engine.families.vectors import VectorBank
+from graphtap.courier import RequestErrors
+from graphtap.engine.families.vectors import BankFull, VectorBank
 from graphtap.engine.family import FamilyBase
 from graphtap.engine.tables import EngineTables
 from graphtap.spec.entries import NormalisedSpec
@@ -23,6 +24,8 @@ class SteerFamily(FamilyBase):
         self.sites = sites
         self.bank = VectorBank(self.t)
         self._keys: dict[str, list[str]] = {}  # req_id -> vector keys it holds
+        self._refused: dict[str, str] = {}  # req_id -> why, until the next step reports it
+        self._slot_of: dict[str, int] = {}
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
@@ -31,18 +34,44 @@ class SteerFamily(FamilyBase):
         self.slots.reset(slot, [f.site, f.vec, f.coef, f.pos])
         site, vec, coef, pos = (host(x)[slot] for x in (f.site, f.vec, f.coef, f.pos))
         keys = []
-        for i, s in enumerate(spec.steer):
-            site[i] = self.sites.id_of(s.layer, s.kind)
-            vec[i] = self.bank.acquire(s.key, s.vector)
-            coef[i] = (s.a, s.lo, s.hi)
-            pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
-            keys.append(s.key)
+        try:
+            for i, s in enumerate(spec.steer):
+                site[i] = self.sites.id_of(s.layer, s.kind)
+                vec[i] = self.bank.acquire(s.key, s.vector)
+                keys.append(s.key)
+                coef[i] = (s.a, s.lo, s.hi)
+                pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
+        except BankFull as e:  # refuse the request, never raise: the engine would die
+            for key in keys:
+                self.bank.release(key)
+            self.slots.reset(slot, [f.site, f.vec, f.coef, f.pos])
+            self._refused[req_id] = str(e)
+            return
         if keys:
             self._keys[req_id] = keys
+            self._slot_of[req_id] = slot
 
     def remove_request(self, req_id: str) -> None:
+        self._refused.pop(req_id, None)
         for key in self._keys.pop(req_id, []):
             self.bank.release(key)
+        slot = self._slot_of.pop(req_id, None)
+        if slot is not None:  # inactive again (written with the next staged writes)
+            f = self.fields
+            self.slots.reset(slot, [f.site, f.vec, f.coef, f.pos])
+
+    def stats(self) -> dict:
+        return {"requests": len(self._keys), "vectors_held": self.bank.held(),
+                "vectors_resident": self.bank.resident(),
+                "active_slots": int((self.slots.host_view(self.fields.site) >= 0)
+                                    .any(axis=1).sum())}
+
+    def snapshot(self):
+        """The step's refusals, each delivered as its request's error."""
+        if not self._refused:
+            return None
+        errors, self._refused = self._refused, {}
+        return RequestErrors(errors)
 
     def apply_staged_writes(self) -> None:
         self.bank.apply()

@@ -1,7 +1,7 @@
 """Resident steering vectors in the worker: content-keyed, refcounted by live requests,
 least-recently-used rows reused first, new rows staged and written with the step's other
 table rows. The frontend admits only requests whose vectors fit, so `acquire` failing
-means the two sides disagree: a loud error."""
+means the two sides disagree: that request fails loudly (its error), nothing else."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -11,6 +11,10 @@ import torch
 
 from graphtap.engine.slots import host_to_device
 from graphtap.ops.tables import SteerTables
+
+
+class BankFull(RuntimeError):
+    """No row for a new vector: the request is refused, never the engine stopped."""
 
 
 class VectorBank:
@@ -65,10 +69,14 @@ class VectorBank:
             if old not in self._refs:
                 del self._rows[old]
                 return row
-        raise RuntimeError(
-            f"graphtap: all {self.capacity} resident vector rows are held by live requests "
-            f"and vector {key} needs one; the frontend should have refused this request "
-            f"(several API servers sharing one engine are not supported)")
+        raise BankFull(
+            f"hooks.steer: refused by the engine: all {self.capacity} resident vector rows "
+            f"are held by live requests (hook_config.max_vectors); this request ran "
+            f"unsteered. The frontend admits only what fits, so please report it")
 
     def resident(self) -> int:
         return len(self._rows)
+
+    def held(self) -> int:
+        """Vectors live requests hold (0 once every request has finished)."""
+        return len(self._refs)
