@@ -44,7 +44,7 @@ def server_cmd(args, model: str, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "graphtap.cli", "serve", model, "--hook-config",
            json.dumps(hook), "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY,
            "--served-model-name", "m", "--seed", "0", "--disable-log-stats",
-           "--max-model-len", "1024", "--max-num-seqs", str(args.max_num_seqs),
+           "--max-model-len", "512", "--max-num-seqs", str(args.max_num_seqs),
            "--enable-chunked-prefill", "--max-num-batched-tokens", str(args.batched_tokens),
            "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
     if args.gpu:
@@ -189,6 +189,7 @@ def run(args) -> dict:
         elapsed = time.monotonic() - started
         snapshot = wait_free(base)
         rss1, dev1 = tree_rss(pid), device_used()
+        engine = metrics(client)
     counts = {"requests": args.requests, "checked": 0, "left_mid_stream": 0, "status_5xx": 0,
               "status_4xx": 0, "transport_errors": 0, "tokens_differ": 0,
               "sampled_tokens_differ": 0, "rows_lost": 0, "rows_misattributed": 0,
@@ -208,7 +209,7 @@ def run(args) -> dict:
             counts["checked"] += 1
             for k, v in compare(cases[pick], solo[pick][1], body, args.tolerance).items():
                 counts[k] += v
-    report = {**counts, "solo_refused": bad_solo, "seconds": round(elapsed, 1),
+    report = {**counts, "solo_refused": bad_solo, **engine, "seconds": round(elapsed, 1),
               "held_at_end": held(snapshot), "host_rss_growth_mib":
               round((rss1 - rss0) / 2**20, 1), "host_rss_mib": round(rss1 / 2**20, 1),
               "device_growth_mib": None if dev0 is None or dev1 is None
@@ -219,6 +220,27 @@ def run(args) -> dict:
                         counts["rows_misattributed"] or report["held_at_end"] or bad_solo or
                         counts["status_4xx"])
     return report
+
+
+def metrics(client) -> dict:
+    """vLLM's own counters (Prometheus /metrics): that preemption and chunked prefill did
+    happen."""
+    want = {"vllm:num_preemptions_total": "preemptions",
+            "vllm:prompt_tokens_total": "prompt_tokens",
+            "vllm:prefix_cache_hits_total": "prefix_cache_hit_tokens"}
+    out = dict.fromkeys(want.values(), None)
+    try:
+        text = client.get("/metrics").text
+    except Exception:
+        return out
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in want:
+            try:
+                out[want[name]] = (out[want[name]] or 0) + int(float(line.rsplit(" ", 1)[1]))
+            except ValueError:
+                pass
+    return out
 
 
 def _server_pid(port: int) -> int:
