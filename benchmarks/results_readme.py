@@ -100,8 +100,16 @@ def _soak(group: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _kernels(group: dict) -> str:
+    d = json.loads((RESULTS / group["files"][0]).read_text())
+    rows = [(k, f"{v:.1e}") for k, v in d.items() if isinstance(v, float)]
+    return ("| kernel vs torch reference | max difference |\n|---|---|\n" +
+            "".join(f"| {k} | {v} |\n" for k, v in rows) +
+            f"| verdict | {'ok' if d['ok'] else 'FAILED'} on {d['device']} |\n")
+
+
 RENDER = {"check": _check, "tpot": _tpot, "capture": _capture, "profile": _profile,
-          "soak": _soak}
+          "soak": _soak, "kernels": _kernels}
 
 
 def readme() -> str:

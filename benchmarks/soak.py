@@ -43,7 +43,7 @@ def server_cmd(args, model: str, port: int) -> list[str]:
             "max_vectors": 64, "capture_rows": 8192, "pattern_rows": 2048}
     cmd = [sys.executable, "-m", "graphtap.cli", "serve", model, "--hook-config",
            json.dumps(hook), "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY,
-           "--served-model-name", "m", "--seed", "0", "--disable-log-stats",
+           "--served-model-name", "m", "--seed", "0",
            "--max-model-len", "512", "--max-num-seqs", str(args.max_num_seqs),
            "--enable-chunked-prefill", "--max-num-batched-tokens", str(args.batched_tokens),
            "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]

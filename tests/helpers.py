@@ -41,7 +41,9 @@ def sizes(**overrides):
     base = dict(max_reqs=4, max_tokens=24, max_len=100, num_sites=3, hidden=64,
                 dtype=torch.float32, max_steers=3, max_vectors=5, max_captures=2,
                 capture_rows=10, capture_width=64, pattern_rows=40, num_heads=4, patterns=True)
-    return Sizes(**{**base, **overrides})
+    merged = {**base, **overrides}
+    merged.setdefault("steer_width", merged["hidden"])  # no z row wider than the residual
+    return Sizes(**merged)
 
 
 def engine_tables(**overrides):

@@ -58,10 +58,39 @@ def vectors(hidden: int):
 def steers(hidden: int, layers: int):
     return st.fixed_dictionaries(
         {"site": site_names(layers),
-         "op": st.sampled_from(["add", "set_projection", "ablate", "clamp", "spin", 1])},
+         "op": st.sampled_from(["add", "set_projection", "ablate", "clamp", "scale", "spin",
+                                1])},
         optional={"vector": vectors(hidden), "scale": numbers(), "target": numbers(),
                   "min": numbers(), "max": numbers(), "positions": positions(),
+                  "heads": st.one_of(st.lists(st.integers(-1, 9), max_size=5), junk),
                   "colour": junk})
+
+
+def probes(hidden: int, layers: int):
+    return st.fixed_dictionaries(
+        {"site": site_names(layers),
+         "weights": st.one_of(st.lists(vectors(hidden), max_size=3), junk)},
+        optional={"bias": st.one_of(st.lists(numbers(), max_size=3), junk),
+                  "activation": st.sampled_from(["none", "sigmoid", "relu", 0]),
+                  "positions": positions()})
+
+
+def masses(layers: int, heads: int):
+    span = st.one_of(st.fixed_dictionaries({"start": st.integers(-2, 600),
+                                            "end": st.integers(-2, 600)}), junk)
+    return st.fixed_dictionaries(
+        {"site": site_names(layers), "spans": st.one_of(st.lists(span, max_size=10), junk)},
+        optional={"heads": st.one_of(st.lists(st.integers(-1, heads), max_size=heads + 1),
+                                     junk),
+                  "positions": positions()})
+
+
+def guards(layers: int):
+    return st.one_of(st.fixed_dictionaries(
+        {"kind": st.sampled_from(["attention_focus", "probe", "vibes"]),
+         "threshold": numbers()},
+        optional={"action": st.sampled_from(["annotate", "stop", "kill"]),
+                  "site": site_names(layers), "column": st.integers(-1, 4)}), junk)
 
 
 def captures(layers: int, heads: int):
@@ -79,6 +108,9 @@ def specs(hidden: int, layers: int, heads: int):
         st.fixed_dictionaries({}, optional={
             "steer": st.lists(steers(hidden, layers), max_size=4) | junk,
             "capture": st.lists(captures(layers, heads), max_size=4) | junk,
+            "probe": st.lists(probes(hidden, layers), max_size=3) | junk,
+            "attention_mass": st.lists(masses(layers, heads), max_size=3) | junk,
+            "guard": guards(layers),
             "save_to": st.sampled_from(["run", "a/b", "~", "../x", "/etc", "", "x" * 70]),
             "encoding": st.sampled_from(["raw", "safetensors", "pickle"]),
             "other": junk}),

@@ -17,7 +17,7 @@ from spec_strategies import specs, valid_specs
 
 HIDDEN, LAYERS, HEADS = 16, 4, 4
 SITES = ["blocks.1.hook_resid_post", "blocks.2.hook_resid_pre", "blocks.1.attn.hook_q",
-         "blocks.1.attn.hook_k", "blocks.2.attn.hook_pattern"]
+         "blocks.1.attn.hook_k", "blocks.2.attn.hook_pattern", "blocks.1.attn.hook_z"]
 SHAPE = ModelShape(num_layers=LAYERS, hidden_size=HIDDEN, max_model_len=512, max_steers=3,
                    max_vectors=8, max_captures=3, configured_sites=set(SITES),
                    num_heads=HEADS, num_kv_heads=2, head_dim=HIDDEN // HEADS,
@@ -40,9 +40,19 @@ def _checked(spec: NormalisedSpec) -> None:
         assert v.shape == (HIDDEN,) and np.isfinite(v).all()
         assert all(math.isfinite(x) or x in (-math.inf, math.inf) for x in (s.lo, s.hi))
         assert math.isfinite(s.a) and abs(s.a) * float(np.abs(v).max()) <= limit
-    for c in spec.capture + spec.pattern:
+    for c in spec.capture + spec.pattern + spec.probe + spec.mass:
         if isinstance(c.positions, tuple):
             assert all(0 <= p < SHAPE.max_model_len for p in c.positions)
+    for p in spec.probe:
+        assert 1 <= len(p.vectors) == len(p.bias) <= SHAPE.probe_width
+        assert all(np.isfinite(np.frombuffer(v, np.float32)).all() and len(v) == 4 * HIDDEN
+                   for v in p.vectors) and all(math.isfinite(b) for b in p.bias)
+    for m in spec.mass:
+        assert all(0 <= sp.start < sp.end <= SHAPE.max_model_len for sp in m.spans)
+        assert m.heads and all(0 <= h < HEADS for h in m.heads)
+    if spec.guard is not None:
+        names = {p.name for p in spec.probe} | {m.name for m in spec.mass}
+        assert set(spec.guard.sources) <= names and math.isfinite(spec.guard.threshold)
     assert NormalisedSpec.from_wire(spec.to_wire()) == spec
 
 

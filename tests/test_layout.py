@@ -21,6 +21,9 @@ ALLOWED = {
     "frontend": {"spec", "config", "courier", "outputs", "wire", "support"},
     "server": {"config"},
     "client": {"outputs", "wire"},
+    "vectors": {"spec"},
+    "analyzers": set(),
+    "rerank": set(),
 }
 
 

@@ -250,3 +250,88 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     pattern_reference(alone, q, kc, 1)
     pattern_reference(crowded, q, kc, 1)
     assert torch.equal(alone.buf[0], crowded.buf[1])
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN:vec", "FLASH_ATTN"])
+def test_attention_mass_matches_span_sums_of_the_dense_softmax(backend):
+    """The mass op (torch reference and Triton kernel) sums each entry's key spans of the
+    same probabilities the pattern op stores; unused spans and spans past the query are
+    exactly zero; rows of other sites are left alone."""
+    from graphtap.ops.mass import mass_reference
+    from graphtap.ops.mass_triton import mass_triton
+
+    keys, table = paged(backend)
+    q = torch.randn(10, HQ, D, generator=torch.Generator().manual_seed(5))
+    kc = KeyCache(keys, table, 0.125, HQ // HKV)
+    spans = {0: [(0, 1), (2, 30), (60, 160)], 2: [(5, 6), (0, 200)], 1: [(100, 110)]}
+
+    def tables():
+        t = engine_tables(max_reqs=3, max_captures=2, num_heads=HQ, pattern_rows=P,
+                          max_len=L, max_spans=3, mass_rows=8).ops.mass
+        for slot, sp in spans.items():
+            t.entry_site[slot, 1] = 1  # the entry at site 1 is each slot's second
+            t.entry_spans[slot, 1, :len(sp)] = torch.tensor(sp, dtype=torch.int32)
+        t.entry_site[2, 0] = 2  # another site's entry comes first in slot 2
+        t.entry_spans[2, 0, 0] = torch.tensor([0, 160], dtype=torch.int32)
+        return t
+    rows = [(1, 0, 0, 0, 0, 1), (1, 3, 3, 0, 70, 0), (1, 4, 1, 1, 40, 2),
+            (1, 9, 2, 2, 127, 0), (2, 5, 0, 1, 12, 2), (1, 6, 2, 2, 31, 1)]
+    out = []
+    for op in (mass_reference, mass_triton):
+        t = tables()
+        route_rows(t, rows)
+        op(t, q, kc, 1)
+        out.append(t.buf.clone())
+    for i, (site, tok, head, brow, pos, slot) in enumerate(rows):
+        if site != 1:
+            assert out[0][i].abs().sum() == 0 and out[1][i].abs().sum() == 0
+            continue
+        k = dense_keys(keys, table, brow, pos + 1)[:, head // (HQ // HKV)]
+        p = torch.softmax(k @ q[tok, head] * 0.125, dim=0)
+        want = torch.zeros(3)
+        for s, (lo, hi) in enumerate(spans[slot]):
+            want[s] = p[lo:min(hi, pos + 1)].sum() if lo <= pos else 0.0
+        for got in out:
+            torch.testing.assert_close(got[i], want, atol=1e-6, rtol=1e-5)
+            if len(spans[slot]) < 3:
+                assert got[i, len(spans[slot]):].abs().sum() == 0
+
+
+@pytest.mark.parametrize("entry, field, words", [
+    ({"site": "blocks.1.attn.hook_q", "spans": [{"start": 0, "end": 2}]},
+     "hooks.attention_mass[0].site", "hook_pattern sites"),
+    ({"site": "blocks.1.attn.hook_pattern", "spans": []}, "hooks.attention_mass[0].spans",
+     "at least 1"),
+    ({"site": "blocks.1.attn.hook_pattern", "spans": [{"start": 3, "end": 2}]},
+     "hooks.attention_mass[0].spans[0]", "greater than start"),
+    ({"site": "blocks.1.attn.hook_pattern", "spans": [{"start": 0, "end": 2}] * 4},
+     "hooks.attention_mass[0].spans", "max_spans"),
+    ({"site": "blocks.1.attn.hook_pattern", "spans": [{"start": 99, "end": 120}]},
+     "hooks.attention_mass[0].spans[0].start", "beyond max_model_len"),
+    ({"site": "blocks.1.attn.hook_pattern", "spans": [{"start": 0, "end": 2}], "heads": [4]},
+     "hooks.attention_mass[0].heads", "out of range"),
+])
+def test_invalid_attention_mass_names_the_field(entry, field, words):
+    from graphtap.spec import ModelShape, normalise, parse_spec
+
+    shape = ModelShape(num_layers=2, hidden_size=16, max_model_len=64, max_steers=1,
+                       max_vectors=1, num_heads=HQ, num_kv_heads=HKV, head_dim=4, max_spans=3,
+                       configured_sites={"blocks.1.attn.hook_q", "blocks.1.attn.hook_pattern"})
+    with pytest.raises(ValueError) as e:
+        normalise(parse_spec({"attention_mass": [entry]}), shape)
+    assert str(e.value).startswith(field) and words in str(e.value), str(e.value)
+
+
+def test_attention_mass_entry():
+    from graphtap.spec import ModelShape, normalise, parse_spec
+
+    shape = ModelShape(num_layers=2, hidden_size=16, max_model_len=64, max_steers=1,
+                       max_vectors=1, num_heads=HQ, num_kv_heads=HKV, head_dim=4,
+                       configured_sites={"blocks.1.attn.hook_pattern"})
+    spec = normalise(parse_spec({"attention_mass": [{
+        "site": "blocks.1.attn.hook_pattern", "heads": [3, 1],
+        "spans": [{"start": 0, "end": 4}, {"start": 10, "end": 500}]}]}), shape)
+    (m,) = spec.mass
+    assert m.name == "mass:blocks.1.attn.hook_pattern" and m.heads == (1, 3)
+    assert [(s.start, s.end) for s in m.spans] == [(0, 4), (10, 64)]
+    assert m.positions == "last_prompt" and spec.captures_anything

@@ -633,6 +633,24 @@ def test_a_client_that_leaves_while_its_prompt_prefills_frees_everything(server,
     assert again[0] == 200 and again[1]["choices"][0]["token_ids"] == offline["tokens"]
 
 
+def test_a_guard_stops_a_request_over_http_and_reports_its_verdict(server, offline):
+    """finish_reason "guard" and the verdict in the choice's hooks (the probe's scores
+    come back too), streamed or not; the client reads the verdict as `hooks.guard`."""
+    probe = {"site": "blocks.2.hook_resid_post", "weights": [vector(256, 40)],
+             "positions": "generated"}
+    hooks = {"probe": [probe], "guard": {"kind": "probe", "threshold": -1e30,
+                                         "action": "stop"}}
+    status, body = completion(server, PROMPT, hooks)
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "guard" and len(choice["token_ids"]) == 2
+    out = decode(choice["hooks"])
+    assert out.guard["flagged"] and out.guard["position"] == len(offline["ids"])
+    assert out["probe:blocks.2.hook_resid_post"].shape == (1, 1)
+    status, plain = completion(server, PROMPT)
+    assert plain["choices"][0]["finish_reason"] == "length"
+
+
 def test_everything_is_free_once_every_request_has_ended(server):
     """After every test above (disconnects, refusals, overflows, the fuzzer): nothing
     is held in the frontend or the worker."""

@@ -1,6 +1,7 @@
 """Steering and capture parity against HF transformers, on each tiny model in eager and
 torch.compile mode: one graphtap engine at a time (the module's fixture is parametrised
 over the four engines, so each test runs against each)."""
+import numpy as np
 import pytest
 import torch
 
@@ -154,3 +155,180 @@ def test_attention_pattern_parity_with_hf(steer_engine):
     assert out.hooks[site].shape == want.shape, (out.hooks[site].shape, want.shape)
     assert (out.hooks[site] - want).abs().max().item() <= 1e-4
     torch.testing.assert_close(out.hooks[site].sum(-1), torch.ones(len(ran), 2))
+
+
+HEAD_STEERS = {
+    "ablate-heads": [dict(op="scale", heads=[0, 2], scale=0.0)],
+    "scale-head": [dict(op="scale", heads=[1], scale=3.0, positions="prompt")],
+    "add-per-head": [dict(op="add", heads=[1, 3], scale=2.0, vector="head")],
+    "add-row-then-scale": [dict(op="add", scale=1.5, vector="row"),
+                           dict(op="scale", heads=[3], scale=-0.5, positions="generated")],
+}
+
+
+@pytest.mark.parametrize("case", HEAD_STEERS, ids=str)
+def test_head_steering_parity_with_hf(steer_engine, case):
+    """Head interventions at attn.hook_z equal HF with the same edit of o_proj's input,
+    and what is captured at z is the edited value (steer first, then capture)."""
+    from transformers import AutoConfig
+    from vllm import SamplingParams
+
+    llm, path, hidden, layers = steer_engine
+    cfg = AutoConfig.from_pretrained(path)
+    heads, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    ids = tokenize(path, [PROMPT])[0]
+    site = f"blocks.{ATTN_LAYER}.attn.hook_z"
+    steers = []
+    for i, s in enumerate(HEAD_STEERS[case]):
+        width = {"head": d, "row": heads * d}.get(s.get("vector"))
+        steers.append({**s, "site": site, **({"vector": vector(width, 5 + i)} if width else {})})
+    hooks = {"steer": steers}
+    got = run(llm, ids, hooks)
+    assert_parity(got, hf_generate(_hf_model(str(path)), ids, MAX_TOKENS, hooks))
+    assert got[1] != run(llm, ids)[1], "the edit should matter (logprobs at least)"
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, hooks={
+                           **hooks, "capture": [{"site": site, "dtype": "float32"}]}),
+                       use_tqdm=False)[0]
+    z = out.hooks[site]
+    if case == "ablate-heads":  # exactly zero, every position
+        assert z[:, [0, 2]].abs().max().item() == 0.0 and z[:, 1].abs().max().item() > 0
+
+
+@pytest.mark.parametrize("positions", ["all", "last_prompt"])
+def test_probe_scores_equal_hf(steer_engine, positions):
+    """Probe scores computed on the device equal act(resid @ W.T + b) of the residual the
+    same request captured (1e-5 relative: the op), and of HF's residual stream, steered
+    at the same site first as the probe sees it (as close as captures are to HF)."""
+    from vllm import SamplingParams
+
+    from graphtap.testing.hf_reference import hf_capture
+
+    llm, path, hidden, layers = steer_engine
+    ids = tokenize(path, [PROMPT])[0]
+    site, other = f"blocks.{layers - 1}.hook_resid_post", "blocks.1.hook_resid_mid"
+    weights = [vector(hidden, 20 + i) for i in range(3)]
+    steer = {"steer": [{"site": site, "op": "add", "scale": 2.0, "vector": vector(hidden, 9)}]}
+    hooks = {**steer, "probe": [
+        {"site": site, "weights": weights, "bias": [0.5, -0.25, 0.0], "positions": positions},
+        {"site": other, "weights": weights[:1], "activation": "sigmoid",
+         "positions": positions}],
+        "capture": [{"site": site, "dtype": "float32", "positions": positions},
+                    {"site": other, "dtype": "float32", "positions": positions}]}
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, hooks=hooks),
+                       use_tqdm=False)[0]
+    want, wpos, _ = hf_capture(_hf_model(str(path)), ids, MAX_TOKENS, [site, other], steer)
+    w = torch.tensor(weights)
+    for name, ref in [(site, want[site] @ w.T + torch.tensor([0.5, -0.25, 0.0])),
+                      (other, torch.sigmoid(want[other] @ w[:1].T))]:
+        keep = wpos[name] == len(ids) - 1 if positions == "last_prompt" else \
+            torch.ones(len(wpos[name]), dtype=torch.bool)
+        got = out.hooks[f"probe:{name}"]
+        assert out.hooks.positions[f"probe:{name}"].tolist() == wpos[name][keep].tolist()
+        own = out.hooks[name] @ w[:got.shape[1]].T
+        own = torch.sigmoid(own) if name == other else own + torch.tensor([0.5, -0.25, 0.0])
+        torch.testing.assert_close(got, own, rtol=1e-5, atol=1e-5 * own.abs().max().item())
+        assert (got - ref[keep]).abs().max().item() <= 1e-4 * max(ref.abs().max().item(), 1)
+
+
+def test_attention_mass_equals_span_sums_of_hf_attention(steer_engine):
+    """Attention mass on key spans (two spans: the Attention Tracker's case; four: the
+    re-ranker's), computed on the device, equals the span sums of HF's eager attention
+    at every position, and the focus score from it equals the analyzer's on HF's pattern."""
+    from vllm import SamplingParams
+
+    from graphtap.analyzers import focus_score, span_mass
+    from graphtap.testing.hf_reference import hf_attention_pattern
+
+    llm, path, _, _ = steer_engine
+    ids = tokenize(path, [PROMPT])[0]
+    site = f"blocks.{ATTN_LAYER}.attn.hook_pattern"
+    two = [(0, 3), (3, len(ids))]
+    four = [(0, 2), (2, 4), (4, 6), (6, 60)]
+    hooks = {"attention_mass": [{"site": site, "heads": [1, 2], "positions": "all",
+                                 "spans": [{"start": s, "end": e} for s, e in two + four]}]}
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                      hooks=hooks), use_tqdm=False)[0]
+    ran = ids + list(out.outputs[0].token_ids)[:-1]
+    pattern = hf_attention_pattern(_hf_model(str(path)), ran, ATTN_LAYER)[:, [1, 2]]
+    want = span_mass(pattern, two + four)
+    got = out.hooks[f"mass:{site}"]
+    assert out.hooks.positions[f"mass:{site}"].tolist() == list(range(len(ran)))
+    assert got.shape == (len(ran), 2, 6)
+    assert (got - want).abs().max().item() <= 1e-5
+    last = len(ids) - 1
+    focus = (got[last, :, 0] / (got[last, :, 0] + got[last, :, 1])).mean().item()
+    assert focus == pytest.approx(focus_score(pattern[last], *two), abs=1e-5)
+
+
+def test_guards_stop_exactly_the_flagged_requests(steer_engine):
+    """In one batch: a probe guard that flags the first generated token and a focus guard
+    that flags the prompt stop with finish_reason "guard" (after that step's token); a
+    focus guard that flags but only annotates runs on; a probe guard that never flags
+    and a plain request equal their runs without guards, logprobs included."""
+    from vllm import SamplingParams
+
+    llm, path, hidden, layers = steer_engine
+    ids = tokenize(path, [PROMPT])[0]
+    site = f"blocks.{layers - 1}.hook_resid_post"
+    probe = {"site": site, "weights": [vector(hidden, 30)], "positions": "generated"}
+    mass = {"site": f"blocks.{ATTN_LAYER}.attn.hook_pattern",
+            "spans": [{"start": 0, "end": 3}, {"start": 3, "end": len(ids)}]}
+    specs = {
+        "probe-stop": {"probe": [probe], "guard": {"kind": "probe", "threshold": -1e30,
+                                                   "action": "stop"}},
+        "probe-quiet": {"probe": [probe], "guard": {"kind": "probe", "threshold": 1e30,
+                                                    "action": "stop"}},
+        "focus-stop": {"attention_mass": [mass], "guard": {"kind": "attention_focus",
+                                                           "threshold": 2.0, "action": "stop"}},
+        "focus-note": {"attention_mass": [mass], "guard": {"kind": "attention_focus",
+                                                           "threshold": 2.0}},
+        "plain": None}
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True,
+                             hooks=h) for h in specs.values()]
+    outs = dict(zip(specs, llm.generate([{"prompt_token_ids": ids}] * len(specs), params,
+                                        use_tqdm=False)))
+    assert outs["probe-stop"].outputs[0].finish_reason == "guard"
+    assert len(outs["probe-stop"].outputs[0].token_ids) == 2  # flagged at the first one run
+    assert outs["probe-stop"].hooks.guard["position"] == len(ids)
+    assert outs["focus-stop"].outputs[0].finish_reason == "guard"
+    assert len(outs["focus-stop"].outputs[0].token_ids) == 1  # right after prefill
+    focus = outs["focus-stop"].hooks.guard
+    assert focus["flagged"] and focus["position"] == len(ids) - 1 and 0 <= focus["score"] <= 1
+    note = outs["focus-note"]
+    assert note.outputs[0].finish_reason == "length" and note.hooks.guard["flagged"]
+    assert note.hooks.guard["score"] == pytest.approx(focus["score"])
+    plain = run(llm, ids, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for name in ("probe-quiet", "plain"):
+        o = outs[name].outputs[0]
+        tokens = list(o.token_ids)
+        assert o.finish_reason == "length", name
+        assert_parity((tokens, [lp[t].logprob for lp, t in zip(o.logprobs, tokens)]), plain)
+    assert not outs["probe-quiet"].hooks.guard["flagged"]
+
+
+def test_rerank_orders_documents_as_the_hf_reference(steer_engine):
+    """In-context re-ranking from the device's attention mass (real and content-free
+    query batched together) gives HF's order and scores, computed from its eager
+    attention on the same two prompts."""
+    from graphtap.analyzers import span_mass
+    from graphtap.rerank import CONTENT_FREE, layout, rerank
+    from graphtap.testing.hf_reference import hf_attention_pattern
+
+    llm, path, _, _ = steer_engine
+    docs = ["The fox jumps over the dog.", "Numbers like 12, 40", "Attention patterns",
+            "Steering vectors shift the hidden state"]
+    query = "which tokens shift"
+    got = rerank(llm, query, docs, [ATTN_LAYER])
+    tok = llm.get_tokenizer()
+    hf = _hf_model(str(path))
+    want = []
+    for q in (query, CONTENT_FREE):
+        ids, spans, (q0, q1) = layout(tok, docs, q)
+        pattern = hf_attention_pattern(hf, ids, ATTN_LAYER)[q0:q1]  # [queries, heads, keys]
+        want.append(span_mass(pattern, spans).mean((0, 1)))
+    want = (want[0] - want[1]).numpy()
+    assert [i for i, _ in got] == list(np.argsort(-want, kind="stable"))
+    assert np.abs(np.array([s for _, s in sorted(got)]) - want).max() <= 1e-5

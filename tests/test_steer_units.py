@@ -33,9 +33,11 @@ def random_tables(dtype, seed=0):
                 continue  # some unused entries
             t.site[slot, e] = (slot + e) % 2
             t.vec[slot, e] = 1 + (slot * E + e) % V
-            op = (slot + 2 * e) % 4
-            lo, hi = [(-math.inf, math.inf), (1.5, 1.5), (0.0, 0.0), (-0.3, 0.2)][op]
-            t.coef[slot, e] = torch.tensor([2.5 if op == 0 else 0.0, lo, hi])
+            op = (slot + 2 * e) % 5  # add, set_projection, ablate, clamp, scale
+            lo, hi = [(-math.inf, math.inf), (1.5, 1.5), (0.0, 0.0), (-0.3, 0.2),
+                      (-math.inf, math.inf)][op]
+            t.coef[slot, e] = torch.tensor([2.5 if op == 0 else 0.0, lo, hi,
+                                            -0.75 if op == 4 else 0.0])
             rule = ["all", "prompt", "generated", {"start": 3, "end": 9}][(slot + e) % 4]
             t.pos[slot, e] = torch.from_numpy(position_bitmap(rule, 6, L, words))
     tok_slot = torch.randint(0, R + 1, (N,), generator=g)
@@ -84,7 +86,8 @@ def _poisoned(t, tok_slot):
     for s in range(R + 1):
         for e in range(E):
             if s == R or int(t.site[s, e]) < 0:
-                t.coef[s, e] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+                t.coef[s, e] = torch.tensor([float("nan"), float("inf"), -float("inf"),
+                                             float("nan")])
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -123,8 +126,8 @@ def test_ops_semantics_on_one_row():
     h = torch.tensor([[1.0, 2.0, 5.0, 0.0]])  # <h, v_hat> = (3 + 8) / 5 = 2.2
     u = v / 5
 
-    def run(a, lo, hi):
-        t.coef[0, 0] = torch.tensor([a, lo, hi])
+    def run(a, lo, hi, g=0.0):
+        t.coef[0, 0] = torch.tensor([a, lo, hi, g])
         x = h.clone()
         steer_reference(t, torch.tensor([0]), x, None, torch.tensor([0]), 0)
         return x[0]
@@ -134,6 +137,10 @@ def test_ops_semantics_on_one_row():
     torch.testing.assert_close(run(0.0, 0.0, 0.0) @ u, torch.tensor(0.0))         # ablate
     torch.testing.assert_close(run(0.0, -1.0, 1.5) @ u, torch.tensor(1.5))        # clamp
     torch.testing.assert_close(run(0.0, -1.0, 3.0), h[0])                         # clamp, inside
+    # scale (g = scale - 1) the elements v selects: with v a 0/1 mask, heads of z
+    t.bank[1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    torch.testing.assert_close(run(0.0, -math.inf, math.inf, -1.0), torch.tensor([0.0, 2, 0, 0]))
+    torch.testing.assert_close(run(0.0, -math.inf, math.inf, 1.0), torch.tensor([2.0, 2, 10, 0]))
 
 
 def test_position_bitmap():
@@ -332,11 +339,12 @@ def test_a_full_vector_bank_refuses_the_request_not_the_engine():
     died; now that request alone is refused, with its error, and runs no steering."""
     from graphtap.courier import assemble
     from graphtap.engine.families.steer import SteerFamily
+    from graphtap.engine.families.vectors import VectorBank
     from graphtap.spec.sites import Site, SiteTable
 
     et = engine_tables(max_reqs=R, max_tokens=N, max_steers=E, max_vectors=2, hidden=H,
                        max_len=L)
-    family = SteerFamily(et, SiteTable([Site(1, "resid_post")]))
+    family = SteerFamily(et, SiteTable([Site(1, "resid_post")]), VectorBank(et.ops.steer))
 
     def spec(seed):
         vec = np.random.default_rng(seed).standard_normal(H).astype(np.float32).tolist()

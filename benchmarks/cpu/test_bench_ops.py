@@ -14,6 +14,7 @@ import torch
 from graphtap.courier import CaptureStep, OverflowKind, RowFormat, StepRows, columns
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.families.steer import SteerFamily
+from graphtap.engine.families.vectors import VectorBank
 from graphtap.engine.router import TokenRouter
 from graphtap.engine.tables import Sizes, allocate
 from graphtap.ops.backend import TORCH
@@ -29,7 +30,7 @@ H, R, E, V, L = 1024, 64, 8, 64, 2048
 
 
 def tables(sites: int = 4, patterns: bool = False, heads: int = 32):
-    return allocate(Sizes(max_reqs=R, max_tokens=512, max_len=L, num_sites=sites, hidden=H,
+    return allocate(Sizes(max_reqs=R, max_tokens=512, max_len=L, num_sites=sites, hidden=H, steer_width=H,
                           dtype=torch.float32, max_steers=E, max_vectors=V, max_captures=4,
                           capture_rows=1024, capture_width=H, pattern_rows=256,
                           num_heads=heads, patterns=patterns), TORCH, torch.device("cpu"))
@@ -80,7 +81,7 @@ def test_scheduler_step(benchmark, num_reqs):
     captures one site (the layout changes each call, so nothing is skipped)."""
     sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 32))
     et = tables(sites=len(sites))
-    steer = SteerFamily(et, sites)
+    steer = SteerFamily(et, sites, VectorBank(et.ops.steer))
     cap = CaptureFamily(et.ops.capture, et.capture, et.slots, widths={"resid_post": (H, 0)},
                         backend=TORCH, sites=sites, max_len=L, model_dtype=torch.float32)
     router = TokenRouter(et.ops)

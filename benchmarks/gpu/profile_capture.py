@@ -83,7 +83,8 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
 # graphtap's Triton kernels (ops/*_triton.py); CUPTI reports them by function name, also
 # when replayed from a CUDA graph
 GRAPHTAP_KERNELS = ("_capture_kernel", "_steer_kernel", "_pattern_kernel", "_tokens_kernel",
-                    "_flags_kernel", "_rows_kernel", "_fit_kernel", "_refit_kernel")
+                    "_flags_kernel", "_rows_kernel", "_fit_kernel", "_refit_kernel",
+                    "_probe_kernel", "_mass_kernel")
 
 
 def device_ms(prof) -> tuple[float, float]:

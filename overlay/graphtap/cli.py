@@ -2,7 +2,9 @@
 
     graphtap serve MODEL [--sites S ...] [--hook-config JSON] [vllm serve arguments...]
     graphtap sites MODEL [--json]
-    graphtap demo [--model llama|qwen2] [--eager]
+    graphtap demo [--model smollm2|llama|qwen2] [--compile] [--png FILE]
+    graphtap vector build MODEL --site S --positive FILE --negative FILE --out F.safetensors
+    graphtap rerank MODEL --query Q --documents FILE --layers L [L ...]
 """
 from __future__ import annotations
 
@@ -67,13 +69,73 @@ def _sites(args) -> int:
     return 0
 
 
+def _read_prompts(path: str) -> list[str]:
+    """One prompt per line, or a JSON list of strings."""
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    if text.lstrip().startswith("["):
+        prompts = json.loads(text)
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise SystemExit(f"{path}: expected prompts, one per line or a JSON list of strings")
+    return prompts
+
+
+def _vector(args) -> int:
+    from rich.console import Console
+
+    from graphtap.testing.engines import make_llm, shutdown
+    from graphtap.vectors import contrast
+
+    positive, negative = _read_prompts(args.positive), _read_prompts(args.negative)
+    llm = make_llm(args.model, eager=True, hook_manager="graphtap",
+                   hook_config={"sites": [args.site]})
+    try:
+        vec = contrast(llm, positive, negative, args.site, args.positions, chat=args.chat)
+    finally:
+        shutdown(llm)
+    vec.save(args.out, args.name)
+    Console().print(f"{args.out}: {args.site}, |v| = {float((vec.values ** 2).sum() ** 0.5):.4g}, "
+                    f"projections positive {vec.positive_projection:.4g}, negative "
+                    f"{vec.negative_projection:.4g} ({len(positive)} + {len(negative)} prompts)")
+    return 0
+
+
+def _rerank(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from graphtap.rerank import rerank
+    from graphtap.testing.engines import make_llm, shutdown
+
+    docs = _read_prompts(args.documents)
+    llm = make_llm(args.model, eager=True, hook_manager="graphtap", hook_config={
+        "sites": [f"blocks.{layer}.attn.hook_pattern" for layer in args.layers],
+        "max_spans": max(len(docs), 1), "mass_rows": 16384})
+    try:
+        ranked = rerank(llm, args.query, docs, args.layers)
+    finally:
+        shutdown(llm)
+    table = Table(title=f"documents for {args.query!r}, best first")
+    for column in ("rank", "document", "score"):
+        table.add_column(column)
+    for rank, (i, score) in enumerate(ranked, 1):
+        table.add_row(str(rank), docs[i][:80], f"{score:+.4f}")
+    Console().print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="graphtap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="generate with the patched engine on an embedded tiny model")
-    demo.add_argument("--model", choices=["llama", "qwen2"], default="llama")
-    demo.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
+    demo = sub.add_parser("demo", help="steering and a prompt-injection guard on SmolLM2 "
+                                       "(or a smoke run on a tiny random model)")
+    demo.add_argument("--model", choices=["smollm2", "llama", "qwen2"], default="smollm2")
+    demo.add_argument("--compile", action="store_true", help="torch.compile (slower start)")
+    demo.add_argument("--png", default="graphtap-demo.png", help="where the score plot goes")
     serve = sub.add_parser("serve", help="vllm serve MODEL with graphtap's hook manager; "
                                          "other arguments go to vllm serve")
     serve.add_argument("model")
@@ -83,15 +145,38 @@ def main(argv: list[str] | None = None) -> int:
     sites = sub.add_parser("sites", help="every hook site of a model with its row shape")
     sites.add_argument("model", help="a model directory (or a name already in the HF cache)")
     sites.add_argument("--json", action="store_true")
+    vector = sub.add_parser("vector", help="steering vectors built from the engine")
+    build = vector.add_subparsers(dest="action", required=True).add_parser(
+        "build", help="difference of means of a site over positive and negative prompts")
+    build.add_argument("model")
+    build.add_argument("--site", required=True, help="e.g. blocks.6.hook_resid_post")
+    build.add_argument("--positive", required=True, help="prompts, one per line (or JSON)")
+    build.add_argument("--negative", required=True)
+    build.add_argument("--positions", default="last_prompt")
+    build.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    build.add_argument("--out", required=True, help="a .safetensors file (a vectors_dir entry)")
+    build.add_argument("--name", help="the tensor's name (default: the file's stem)")
+    rr = sub.add_parser("rerank", help="order documents by the attention a query pays them")
+    rr.add_argument("model")
+    rr.add_argument("--query", required=True)
+    rr.add_argument("--documents", required=True, help="one per line (or a JSON list)")
+    rr.add_argument("--layers", type=int, nargs="+", required=True)
     args, rest = ap.parse_known_args(argv)
     if args.cmd != "serve" and rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd in ("demo", "vector", "rerank") and "TRITON_INTERPRET" not in os.environ and \
+            not _has_gpu():
+        os.environ["TRITON_INTERPRET"] = "1"  # Model Runner V2 on a CPU (patch 0001)
     if args.cmd == "demo":
         from graphtap.demo import run_demo
 
-        return run_demo(args.model, eager=args.eager)
+        return run_demo(args.model, eager=not args.compile, png=args.png)
     if args.cmd == "serve":
         return _serve(args, rest)
+    if args.cmd == "vector":
+        return _vector(args)
+    if args.cmd == "rerank":
+        return _rerank(args)
     return _sites(args)
 
 

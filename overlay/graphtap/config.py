@@ -22,6 +22,19 @@ class HookConfig(BaseModel):
     """Steer entries per request."""
     max_captures: int = Field(8, ge=1, le=64)
     """Capture entries (sites) per request."""
+    max_probes: int = Field(4, ge=0, le=64)
+    """Probe entries (residual sites) per request; 0: no probe op in the graph."""
+    probe_width: int = Field(8, ge=1, le=64)
+    """Weight vectors (scores) per probe entry."""
+    probe_rows: int = Field(4096, ge=1)
+    """Rows of the device probe-score buffer per step (one per position and probed
+    site, probe_width float32 scores each); overflow is reported like capture_rows."""
+    max_spans: int = Field(8, ge=1, le=64)
+    """Key spans per attention_mass entry."""
+    mass_rows: int = Field(1024, ge=1)
+    """Rows of the device attention-mass buffer per step (one per query position and
+    head, max_spans float32 masses each); allocated when a hook_pattern site is
+    configured; overflow is reported like capture_rows."""
     save_root: str | None = None
     """Directory under which requests may ask for `save_to` files (none: refused), so a
     request can never make the server write anywhere else: `save_to` is a relative

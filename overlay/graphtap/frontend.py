@@ -47,7 +47,8 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
         save_root=config.save_root, max_response_rows=config.max_response_rows,
         max_response_bytes=config.max_response_bytes,
         max_live_capture_bytes=config.max_live_capture_bytes,
-        save_quota_bytes=config.save_quota_bytes)
+        save_quota_bytes=config.save_quota_bytes, max_probes=config.max_probes,
+        probe_width=config.probe_width, max_spans=config.max_spans)
 
 
 class GraphtapFrontend(HookFrontend):
@@ -117,7 +118,7 @@ class GraphtapFrontend(HookFrontend):
     def admit_request(self, request) -> None:
         params = request.sampling_params
         spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
-        keys = {s.key for s in spec.steer}
+        keys = spec.vector_keys
         # N API server processes (or data-parallel frontends) feed one worker table: each
         # holds at most its share, so together they never overflow it.
         share = max(self.shape.max_vectors // max(self.api_servers, 1), 1)
@@ -171,7 +172,7 @@ class GraphtapFrontend(HookFrontend):
         with self._lock:
             spec = self._finish.pop(request_id, None)
         try:
-            out = assemble(chunks)
+            out = assemble(chunks, spec.guard if spec is not None else None)
         except Exception as e:
             logger.exception("graphtap: assembling request %s's hook outputs", request_id)
             return HookOutputs(error=f"hooks: graphtap could not assemble this request's "

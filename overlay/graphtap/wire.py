@@ -24,7 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 _NUMPY = {"float32": np.float32, "float16": np.float16}
 
 
-SAVE_KEYS = ("saved_to", "save_error")  # never site names (those start with "blocks.")
+SAVE_KEYS = ("saved_to", "save_error", "guard")  # never site names ("blocks.", "probe:", ...)
 
 
 def encode(outputs: HookOutputs) -> dict:

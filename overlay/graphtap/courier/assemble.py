@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from graphtap.courier.chunks import (ERROR, OVERFLOW, Overflow, error_message, is_data_key,
-                                     positions_key, ragged_name)
+from graphtap.courier.chunks import (ERROR, GUARD, OVERFLOW, Overflow, error_message,
+                                     is_data_key, positions_key, ragged_name)
+from graphtap.courier.guard import decisive
 from graphtap.courier.patterns import unpack_patterns
 from graphtap.outputs import HookOutputs
 
@@ -21,7 +22,8 @@ def merge_chunks(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return {n: t[0] if len(t) == 1 else torch.cat(t) for n, t in names.items()}
 
 
-def assemble(chunks: list[dict[str, torch.Tensor]]) -> HookOutputs:
+def assemble(chunks: list[dict[str, torch.Tensor]], guard=None) -> HookOutputs:
+    """`guard`: the request's GuardEntry, when it has one (its verdict is kept)."""
     merged = merge_chunks(chunks)
     if ERROR in merged:
         return HookOutputs(error=error_message(merged[ERROR]))
@@ -46,6 +48,11 @@ def assemble(chunks: list[dict[str, torch.Tensor]]) -> HookOutputs:
             keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
             rows, pos = rows[keep], pos[keep]
         out[name], out.positions[name] = _own(rows), _own(pos)
+    if guard is not None:
+        verdict = decisive(merged[GUARD].reshape(-1, 3), guard.kind) if GUARD in merged \
+            else {"score": None, "position": None, "flagged": False}
+        out.guard = {"kind": guard.kind, "threshold": guard.threshold,
+                     "action": "stop" if guard.stop else "annotate", **verdict}
     return out
 
 

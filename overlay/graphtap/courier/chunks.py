@@ -10,6 +10,8 @@ import torch
 
 OVERFLOW = "graphtap:overflow"  # key of an overflow report in a chunk
 ERROR = "graphtap:error"  # key of a worker's refusal of a request (UTF-8 bytes)
+GUARD = "graphtap:guard"  # a guard's verdict in a step: [score, position, flagged]
+FINISH = "hooks:finish"  # vLLM's HOOK_FINISH (patch 0007): the scheduler finishes it
 
 
 def error_tensor(message: str) -> torch.Tensor:
@@ -54,7 +56,7 @@ def ragged_name(key: str) -> str | None:
 
 def is_data_key(key: str) -> bool:
     """Whether `key` holds a site's rows (not positions, ragged values or an overflow)."""
-    return "@" not in key and key not in (OVERFLOW, ERROR)
+    return "@" not in key and not key.startswith(("graphtap:", "hooks:"))
 
 
 class OverflowKind(IntEnum):
@@ -63,6 +65,8 @@ class OverflowKind(IntEnum):
     CAPTURE_ROWS = 0  # a step needed more rows than hook_config.capture_rows
     PATTERN_ROWS = 1  # a step needed more rows than hook_config.pattern_rows
     HOST_BOUND = 2  # the host's bound on a step's rows was short: a graphtap bug
+    PROBE_ROWS = 3  # a step needed more rows than hook_config.probe_rows
+    MASS_ROWS = 4  # a step needed more rows than hook_config.mass_rows
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,10 @@ class Overflow:
                     f"a step whose copy home the host bounded at {self.capacity}; its "
                     f"captures were withheld rather than returned incomplete (please "
                     f"report it)")
-        what, option = (("attention-pattern rows", "pattern_rows")
-                        if self.kind == OverflowKind.PATTERN_ROWS else
-                        ("capture rows", "capture_rows"))
+        what, option = {OverflowKind.PATTERN_ROWS: ("attention-pattern rows", "pattern_rows"),
+                        OverflowKind.PROBE_ROWS: ("probe rows", "probe_rows"),
+                        OverflowKind.MASS_ROWS: ("attention-mass rows", "mass_rows")}.get(
+                            self.kind, ("capture rows", "capture_rows"))
         return (f"hooks.capture: this request needed {self.wanted} {what} in one step, "
                 f"and the step's buffer holds {self.capacity} for all its requests "
                 f"(hook_config.{option}); its captures were withheld rather than returned "

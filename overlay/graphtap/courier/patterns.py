@@ -31,9 +31,6 @@ class PatternFormat(NamedTuple):
 class PatternStep(LabelledStep):
     """A pattern step; labels (slot, site, position, head) per row."""
 
-    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {**self._gathered(), **self.overflow()}  # the lost ones: their error
-
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {}
         for req, slot, site, labels, rows in self.groups(ORDER, SLOT, SITE):
@@ -63,3 +60,25 @@ def unpack_patterns(values: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     causal = torch.arange(width)[None, :] < keys[:, None]
     out[causal[:, None, :].expand_as(out)] = values
     return out
+
+
+class MassFormat(NamedTuple):
+    """How a request gets one attention-mass site back."""
+
+    heads: int  # how many query heads it chose
+    spans: int
+
+
+class MassStep(LabelledStep):
+    """An attention-mass step; labels (slot, site, position, head) per row, each row the
+    masses of its spans: per request and site [queries, heads, spans] float32."""
+
+    def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for req, slot, site, labels, rows in self.groups(ORDER, SLOT, SITE):
+            fmt = self.formats[(slot, site)]
+            name = self.site_names[site]
+            data = rows[:, :fmt.spans].reshape(-1, fmt.heads, fmt.spans)
+            out.setdefault(req, {})[name] = data.to(torch.float32, copy=True)
+            out[req][positions_key(name)] = torch.from_numpy(labels[::fmt.heads, POSITION].copy())
+        return out

@@ -30,9 +30,6 @@ class RowFormat(NamedTuple):
 class CaptureStep(LabelledStep):
     """A capture step; labels (slot, site, position) per row."""
 
-    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {**self._gathered(), **self.overflow()}  # the lost ones: their error
-
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
         # Copies out of the pinned step buffer (a view would keep it from going back to
         # the caching host allocator) of the bytes returned only, in few large copies:

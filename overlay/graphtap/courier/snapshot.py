@@ -23,8 +23,12 @@ SLOT_COLUMN = int(Label.SLOT)
 class StepSnapshots:
     """The snapshots of one step (rows, patterns), handed to vLLM's courier as one."""
 
-    def __init__(self, parts: list["LabelledStep"]):
+    def __init__(self, parts: list["LabelledStep"], guards: dict | None = None):
         self.parts = parts
+        self.guards = guards or {}  # req_id -> (GuardEntry, prompt_len) of the batch
+
+    def release_device(self) -> None:  # nested in another: its parts release in per_request
+        pass
 
     # Named ranges: profile_capture.py reads where the courier's host time goes.
     def to_cpu_nonblocking(self) -> None:
@@ -39,6 +43,10 @@ class StepSnapshots:
                 part.release_device()  # the copy is done (after the copy event)
                 for req, tensors in part.per_request().items():
                     out.setdefault(req, {}).update(tensors)
+            if self.guards:
+                from graphtap.courier.guard import apply_guards
+
+                apply_guards(out, self.guards)
         return out
 
 
@@ -82,6 +90,10 @@ class LabelledStep:
         self._device = None
 
     def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {**self._gathered(), **self.overflow()}  # the lost ones: their error
+
+    def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Each request's rows of the step, by output name (the family's split)."""
         raise NotImplementedError
 
     def overflow(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -16,8 +16,11 @@ import graphtap.ops  # noqa: F401  registers the graph ops before any trace
 from graphtap.config import HookConfig, load_hook_config
 from graphtap.courier import StepSnapshots
 from graphtap.engine.families.capture import CaptureFamily
+from graphtap.engine.families.mass import MassFamily
 from graphtap.engine.families.pattern import PatternFamily
+from graphtap.engine.families.probe import ProbeFamily
 from graphtap.engine.families.steer import SteerFamily
+from graphtap.engine.families.vectors import VectorBank
 from graphtap.engine.router import TokenRouter
 from graphtap.engine.tables import Sizes, allocate
 from graphtap.ops.backend import select_backend
@@ -35,11 +38,17 @@ def _sizes(vllm_config, config: HookConfig, num_sites: int, patterns: bool,
     max_tokens = max(sc.max_num_batched_tokens,
                      vllm_config.compilation_config.max_cudagraph_capture_size or 0)
     return Sizes(max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_len=mc.max_model_len,
-                 num_sites=num_sites, hidden=mc.get_hidden_size(), dtype=mc.dtype,
+                 num_sites=num_sites, hidden=mc.get_hidden_size(),
+                 steer_width=max(mc.get_hidden_size(),
+                                 mc.get_num_attention_heads(pc) * mc.get_head_size()),
+                 dtype=mc.dtype,
                  max_steers=config.max_steers, max_vectors=config.max_vectors,
                  max_captures=config.max_captures, capture_rows=config.capture_rows,
                  capture_width=capture_width, pattern_rows=config.pattern_rows,
-                 num_heads=mc.get_num_attention_heads(pc), patterns=patterns)
+                 num_heads=mc.get_num_attention_heads(pc), patterns=patterns,
+                 max_probes=config.max_probes, probe_width=config.probe_width,
+                 probe_rows=config.probe_rows, max_spans=config.max_spans,
+                 mass_rows=config.mass_rows)
 
 
 def _widths(vllm_config) -> dict[str, tuple[int, int]]:
@@ -69,16 +78,25 @@ class EngineHooks(HookManager):
                                  max(w for w, _ in widths.values())), backend, device)
         self.op_tables = tables.ops  # what the graph ops read (ops/running.py)
         self.slots = tables.slots
-        self.router = TokenRouter(tables.ops)
+        # Heads are steered at z, whose slot has no positions: the router copies them.
+        self.router = TokenRouter(tables.ops, positions=any(
+            s.kind == "attn_z" for s in self.sites.sites))
         rows = dict(backend=backend, sites=self.sites, max_len=mc.max_model_len,
                     model_dtype=mc.dtype)
+        bank = VectorBank(tables.ops.steer)  # resident vectors: steering and probe weights
         self.families = [
-            SteerFamily(tables, self.sites),
+            SteerFamily(tables, self.sites, bank),
             CaptureFamily(tables.ops.capture, tables.capture, tables.slots,
                           widths=widths, **rows)]
+        self.probes = tables.probe is not None
+        if self.probes:
+            self.families.append(ProbeFamily(tables.ops.probe, tables.probe, tables.slots,
+                                             bank=bank, **rows))
         if patterns:
             self.families.append(PatternFamily(tables.ops.pattern, tables.pattern, tables.slots,
                                                key_caches=tables.ops.key_caches, **rows))
+            self.families.append(MassFamily(tables.ops.mass, tables.mass, tables.slots, **rows))
+        self._guards: dict[str, tuple] = {}  # req_id -> (GuardEntry, prompt_len)
         logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB",
                     len(self.sites), [f.name for f in self.families], backend.name,
                     tables.ops.nbytes() / 2**20)
@@ -94,16 +112,20 @@ class EngineHooks(HookManager):
         x, other = (hidden_states, None) if residual is None else (residual, hidden_states)
         torch.ops.graphtap.steer_resid_(x, other, positions, site)
         torch.ops.graphtap.capture_resid_(x, other, site)
+        if self.probes:
+            torch.ops.graphtap.probe_resid_(x, other, site)
 
     def attention_slot(self, layer_name, kind, sink, *tensors) -> None:
         layer = hook_layer_index(layer_name)
         if kind == "z":
             site = self.sites.id_for_slot(layer, "attn_z")
-            if site is not None:
+            if site is not None:  # steer the heads, then capture what o_proj reads
+                torch.ops.graphtap.steer_heads_(sink, site)
                 torch.ops.graphtap.capture_resid_(sink, None, site)
             site = self.sites.id_for_slot(layer, PATTERN)
             if site is not None and tensors and tensors[0] is not None:
                 torch.ops.graphtap.capture_pattern_(sink, tensors[0], site)
+                torch.ops.graphtap.attention_mass_(sink, tensors[0], site)
             return
         for name, tensor in zip(("attn_q", "attn_k", "attn_v"), tensors):
             site = self.sites.id_for_slot(layer, name)
@@ -116,9 +138,13 @@ class EngineHooks(HookManager):
         spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
         for family in self.families:
             family.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, spec)
+        self._guards.pop(new_req_data.req_id, None)
+        if spec.guard is not None:  # evaluated by the courier as the step's rows arrive
+            self._guards[new_req_data.req_id] = (spec.guard, new_req_data.prompt_len)
         self.router.invalidate()  # the slot's meaning changed
 
     def remove_request(self, req_id) -> None:
+        self._guards.pop(req_id, None)
         for family in self.families:
             family.remove_request(req_id)
 
@@ -153,7 +179,8 @@ class EngineHooks(HookManager):
 
     def stats(self) -> dict:
         """Per family what it holds now; GET /v1/graphtap/stats shows it per worker."""
-        return {family.name: family.stats() for family in self.families}
+        return {**{family.name: family.stats() for family in self.families},
+                "guard": {"requests": len(self._guards)}}
 
     def collect(self, input_batch, dummy_run):
         if dummy_run:
@@ -161,4 +188,8 @@ class EngineHooks(HookManager):
         with torch.profiler.record_function("graphtap.collect"):  # profile_capture.py
             parts = [p for p in (family.snapshot() for family in self.families)
                      if p is not None]
-            return StepSnapshots(parts) if parts else None
+            if not parts:
+                return None
+            guards = {r: self._guards[r] for r in input_batch.req_ids if r in self._guards} \
+                if self._guards else None
+            return StepSnapshots(parts, guards)

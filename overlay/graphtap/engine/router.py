@@ -11,8 +11,9 @@ from graphtap.ops.tables import OpTables
 class TokenRouter:
     """The step's token row -> (request slot, batch row) map, kept in OpTables."""
 
-    def __init__(self, tables: OpTables):
+    def __init__(self, tables: OpTables, positions: bool = False):
         self.t = tables
+        self.positions = positions  # keep tok_pos (ops at slots without positions)
         self._last_layout: tuple | None = None
         self._idle = True
         if tables.backend.name != "torch":
@@ -37,6 +38,8 @@ class TokenRouter:
 
     def route(self, input_batch) -> None:
         n = input_batch.num_tokens_after_padding
+        if self.positions:  # they move every step, whatever the layout
+            self.t.tok_pos[:n].copy_(input_batch.positions[:n], non_blocking=True)
         layout = (tuple(input_batch.req_ids), input_batch.num_tokens, n,
                   input_batch.query_start_loc_np[: input_batch.num_reqs + 1].tobytes())
         if layout == self._last_layout:

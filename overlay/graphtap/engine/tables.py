@@ -9,8 +9,8 @@ import torch
 
 from graphtap.engine.slots import SlotBlock, SlotField, SlotLayout
 from graphtap.ops.backend import Backend
-from graphtap.ops.tables import (LABEL_DTYPE, LABELS, ROUTE_MIN_BLOCK, Label, OpTables, RowTables,
-                                 SteerTables)
+from graphtap.ops.tables import (LABEL_DTYPE, LABELS, ROUTE_MIN_BLOCK, Label, MassTables,
+                                 OpTables, ProbeTables, RowTables, SteerTables)
 from graphtap.spec.positions import bitmap_words
 
 
@@ -23,6 +23,7 @@ class Sizes:
     max_len: int  # max_model_len: positions the bitmaps cover
     num_sites: int
     hidden: int
+    steer_width: int  # the widest steered row: the residual, or z (heads x head_dim)
     dtype: torch.dtype  # the model's
     max_steers: int
     max_vectors: int
@@ -32,6 +33,11 @@ class Sizes:
     pattern_rows: int
     num_heads: int  # query heads of this rank (pattern head selection)
     patterns: bool  # whether a pattern site is configured
+    max_probes: int = 0  # probe entries per request (0: no probe tables, no probe op)
+    probe_width: int = 8
+    probe_rows: int = 1
+    max_spans: int = 8  # attention mass (with patterns): spans per entry
+    mass_rows: int = 1
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,24 @@ class EntryFields:
     heads: SlotField | None
 
 
+@dataclass(frozen=True)
+class ProbeFields:
+    """Probes' per-slot fields: a row family's entries and what each one computes."""
+
+    entries: EntryFields
+    vec: SlotField
+    bias: SlotField
+    act: SlotField
+
+
+@dataclass(frozen=True)
+class MassFields:
+    """Attention mass's per-slot fields: entries with heads, and their key spans."""
+
+    entries: EntryFields
+    spans: SlotField
+
+
 @dataclass
 class EngineTables:
     """The engine's tables: what its ops read, and the staged block of per-slot rows."""
@@ -62,6 +86,8 @@ class EngineTables:
     steer: SteerFields
     capture: EntryFields
     pattern: EntryFields | None
+    probe: ProbeFields | None = None
+    mass: MassFields | None = None
 
 
 def _entries(layout: SlotLayout, count: int, words: int, heads: int | None) -> EntryFields:
@@ -71,11 +97,11 @@ def _entries(layout: SlotLayout, count: int, words: int, heads: int | None) -> E
 
 
 def _rows(s: Sizes, block: SlotBlock, fields: EntryFields, rows: int, width: int,
-          dtype: torch.dtype, scatter: bool, device) -> RowTables:
+          dtype: torch.dtype, scatter: bool, device, cls=RowTables, **extra) -> RowTables:
     sites = max(s.num_sites, 1)
     labels = torch.zeros((rows + 1, LABELS), dtype=LABEL_DTYPE, device=device)
     labels[:, Label.SITE] = -1
-    return RowTables(
+    return cls(
         entry_site=block.view(fields.site), entry_pos=block.view(fields.pos),
         entry_heads=None if fields.heads is None else block.view(fields.heads),
         dst=torch.full((sites, s.max_tokens), rows, dtype=torch.int64, device=device)
@@ -86,7 +112,7 @@ def _rows(s: Sizes, block: SlotBlock, fields: EntryFields, rows: int, width: int
         flags=torch.zeros((sites, s.max_tokens), dtype=torch.int32, device=device),
         block_counts=torch.zeros((sites * -(-s.max_tokens // ROUTE_MIN_BLOCK),),
                                  dtype=torch.int32, device=device),
-        num_sites=sites)
+        num_sites=sites, **extra)
 
 
 def allocate(s: Sizes, backend: Backend, device: torch.device) -> EngineTables:
@@ -94,24 +120,42 @@ def allocate(s: Sizes, backend: Backend, device: torch.device) -> EngineTables:
     layout = SlotLayout()
     steer = SteerFields(layout.reserve((s.max_steers,), torch.int32, -1),
                         layout.reserve((s.max_steers,), torch.int32, 0),
-                        # (a, lo, hi) of an unused entry: no change
-                        layout.reserve((s.max_steers, 3), torch.float32,
-                                       (0.0, -float("inf"), float("inf"))),
+                        # (a, lo, hi, g) of an unused entry: no change
+                        layout.reserve((s.max_steers, 4), torch.float32,
+                                       (0.0, -float("inf"), float("inf"), 0.0)),
                         layout.reserve((s.max_steers, words), torch.int32, 0))
     capture = _entries(layout, s.max_captures, words, None)
     pattern = _entries(layout, s.max_captures, words, s.num_heads) if s.patterns else None
+    probe = None
+    if s.max_probes:
+        c, p = s.max_probes, s.probe_width
+        probe = ProbeFields(_entries(layout, c, words, None),
+                            layout.reserve((c, p), torch.int32, 0),
+                            layout.reserve((c, p), torch.float32, 0.0),
+                            layout.reserve((c,), torch.int32, 0))
+    mass = MassFields(_entries(layout, s.max_captures, words, s.num_heads),
+                      layout.reserve((s.max_captures, s.max_spans, 2), torch.int32, 0)) \
+        if s.patterns else None
     block = SlotBlock(layout, s.max_reqs + 1, device)
     f32 = dict(dtype=torch.float32, device=device)
     ops = OpTables(
         tok_slot=torch.full((s.max_tokens,), s.max_reqs, dtype=torch.int64, device=device),
         tok_row=torch.zeros((s.max_tokens,), dtype=torch.int64, device=device),
+        tok_pos=torch.zeros((s.max_tokens,), dtype=torch.int64, device=device),
         steer=SteerTables(site=block.view(steer.site), vec=block.view(steer.vec),
                           coef=block.view(steer.coef), pos=block.view(steer.pos),
-                          bank=torch.zeros((s.max_vectors + 1, s.hidden), dtype=s.dtype,
+                          bank=torch.zeros((s.max_vectors + 1, s.steer_width), dtype=s.dtype,
                                            device=device),
                           inv_norm=torch.zeros((s.max_vectors + 1,), **f32), max_len=s.max_len),
         capture=_rows(s, block, capture, s.capture_rows, s.capture_width, s.dtype, True, device),
         pattern=_rows(s, block, pattern, s.pattern_rows, s.max_len, torch.float32, False, device)
         if pattern is not None else None,
-        backend=backend)
-    return EngineTables(ops, block, steer, capture, pattern)
+        backend=backend,
+        probe=_rows(s, block, probe.entries, s.probe_rows, s.probe_width, torch.float32, True,
+                    device, ProbeTables, entry_vec=block.view(probe.vec),
+                    entry_bias=block.view(probe.bias), entry_act=block.view(probe.act))
+        if probe is not None else None,
+        mass=_rows(s, block, mass.entries, s.mass_rows, s.max_spans, torch.float32, False,
+                   device, MassTables, entry_spans=block.view(mass.spans))
+        if mass is not None else None)
+    return EngineTables(ops, block, steer, capture, pattern, probe, mass)

@@ -11,7 +11,9 @@ from typing import Callable
 import torch
 
 from graphtap.ops.capture import capture_reference
+from graphtap.ops.mass import mass_reference
 from graphtap.ops.pattern import pattern_reference
+from graphtap.ops.probe import probe_reference
 from graphtap.ops.route import route_rows_reference, route_tokens_reference
 from graphtap.ops.steer import steer_reference
 
@@ -26,15 +28,19 @@ class Backend:
     pattern: Callable
     route_tokens: Callable
     route_rows: Callable
+    probe: Callable
+    mass: Callable
 
 
 TORCH = Backend("torch", steer_reference, capture_reference, pattern_reference,
-                route_tokens_reference, route_rows_reference)
+                route_tokens_reference, route_rows_reference, probe_reference, mass_reference)
 
 
 def _triton(torch_routing: bool) -> Backend:
     from graphtap.ops.capture_triton import capture_triton
+    from graphtap.ops.mass_triton import mass_triton
     from graphtap.ops.pattern_triton import pattern_triton
+    from graphtap.ops.probe_triton import probe_triton
     from graphtap.ops.route_triton import route_rows_triton, route_tokens_triton
     from graphtap.ops.steer_triton import steer_triton
 
@@ -44,9 +50,9 @@ def _triton(torch_routing: bool) -> Backend:
 
     if torch_routing:
         return Backend("triton+torch-routing", steer_triton, capture, pattern_triton,
-                       route_tokens_reference, route_rows_reference)
+                       route_tokens_reference, route_rows_reference, probe_triton, mass_triton)
     return Backend("triton", steer_triton, capture, pattern_triton, route_tokens_triton,
-                   route_rows_triton)
+                   route_rows_triton, probe_triton, mass_triton)
 
 
 def select_backend(device: torch.device) -> Backend:

@@ -37,6 +37,13 @@ def pattern_reference(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int) ->
     """Torch implementation (free to sync: it runs where there is no device to stall).
     Rows are computed in groups of one position, each over exactly its own keys, so a
     row's values never depend on which other rows share its step (as in the kernel)."""
+    for rows, p, probs in probabilities(t, q, kc, site):
+        t.buf[rows, : p + 1] = probs
+
+
+def probabilities(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int):
+    """(buffer rows, position p, their probabilities over keys 0..p) per group of this
+    site's routed rows at one position (the torch side of patterns and attention mass)."""
     active = (t.labels[: t.rows, Label.SITE] == site).nonzero().squeeze(1)
     if active.numel() == 0:
         return
@@ -50,7 +57,7 @@ def pattern_reference(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int) ->
         blocks = kc.block_table[brow[rows]][:, j // bs].long()  # [rows, keys]
         keys = kc.keys[blocks, (j % bs)[None, :], (head[rows] // kc.group)[:, None]].float()
         scores = (keys * q[tok[rows], head[rows]].float()[:, None, :]).sum(-1) * kc.scale
-        t.buf[active[rows], : p + 1] = torch.softmax(scores, dim=-1)
+        yield active[rows], p, torch.softmax(scores, dim=-1)
 
 
 @torch.library.custom_op("graphtap::capture_pattern_", mutates_args=("sink",))

@@ -26,6 +26,21 @@ def _block_scores(k_head, qv, bt_ptr, brow, s_bt, start, n_keys, sk_b, sk_n, sk_
 
 
 @triton.jit
+def _softmax_stats(k_head, qv, bt_ptr, brow, s_bt, n_keys, sk_b, sk_n, sk_d, d, dm, scale, BS,
+                   BLOCK_N: tl.constexpr):
+    """The online max and sum of exp over a query's keys (the first of two passes)."""
+    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+    for start in range(0, n_keys, BLOCK_N):
+        j, jm, s = _block_scores(k_head, qv, bt_ptr, brow, s_bt, start, n_keys, sk_b, sk_n,
+                                 sk_d, d, dm, scale, BS, BLOCK_N)
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), 0)
+        m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
 def _pattern_kernel(labels_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
                     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, s_bt, s_buf, D, BS, GROUP,
                     L: tl.constexpr, C_SITE: tl.constexpr, C_TOKEN: tl.constexpr,
@@ -43,14 +58,8 @@ def _pattern_kernel(labels_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
         dm = d < D
         qv = tl.load(q_ptr + tok * sq_t + head * sq_h + d * sq_d, mask=dm, other=0.0).to(tl.float32)
         k_head = k_ptr + (head // GROUP) * sk_h
-        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
-        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
-        for start in range(0, n_keys, BLOCK_N):  # online max and sum
-            j, jm, s = _block_scores(k_head, qv, bt_ptr, brow, s_bt, start, n_keys, sk_b, sk_n,
-                                     sk_d, d, dm, scale, BS, BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new), 0)
-            m_i = m_new
+        m_i, l_i = _softmax_stats(k_head, qv, bt_ptr, brow, s_bt, n_keys, sk_b, sk_n, sk_d, d,
+                                  dm, scale, BS, BLOCK_N)
         for start in range(0, n_keys, BLOCK_N):  # normalised probabilities
             j, jm, s = _block_scores(k_head, qv, bt_ptr, brow, s_bt, start, n_keys, sk_b, sk_n,
                                      sk_d, d, dm, scale, BS, BLOCK_N)

@@ -5,12 +5,14 @@ its attention layers. Replayed graphs never get here: their kernels keep the add
 captured. Nothing here is process state, so two engines in one process keep their own."""
 from __future__ import annotations
 
-from vllm.v1.worker.gpu.hooks import current_hook_manager
-
 from graphtap.ops.tables import OpTables
 
 
 def running_tables(op: str) -> OpTables:
+    # Imported here: the kernels and references stay importable without vLLM
+    # (benchmarks/gpu/check_kernels.py runs them on a bare GPU machine).
+    from vllm.v1.worker.gpu.hooks import current_hook_manager
+
     tables = getattr(current_hook_manager(), "op_tables", None)
     if tables is None:
         raise RuntimeError(f"graphtap::{op} ran in a forward whose engine has no graphtap "

@@ -31,11 +31,12 @@ def steer_reference(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
     for e in range(t.max_steers):
         active = (t.site[slot, e] == site) & position_bit(t.pos[slot, e], pos)
         vidx = t.vec[slot, e].long()
-        v = t.bank[vidx].float()
+        v = t.bank[vidx, :x.shape[1]].float()
         u = v * t.inv_norm[vidx].unsqueeze(1)
         coef = t.coef[slot, e]
         p = (stream * u).sum(-1)
-        d = coef[:, :1] * v + (torch.clamp(p, coef[:, 1], coef[:, 2]) - p).unsqueeze(1) * u
+        d = coef[:, :1] * v + (torch.clamp(p, coef[:, 1], coef[:, 2]) - p).unsqueeze(1) * u \
+            + coef[:, 3:] * (v * stream)
         d = torch.where(active.unsqueeze(1), d, 0.0)
         stream = stream + d
         delta = delta + d
@@ -52,4 +53,19 @@ def steer_resid_(x: torch.Tensor, other: Optional[torch.Tensor], positions: torc
 
 @steer_resid_.register_fake
 def _(x, other, positions, site) -> None:
+    return None
+
+
+@torch.library.custom_op("graphtap::steer_heads_", mutates_args=("z",))
+def steer_heads_(z: torch.Tensor, site: int) -> None:
+    """Steer attention heads at attn.hook_z: z [tokens, heads, head_dim] is the attention
+    output o_proj reads next, edited in place as one row per token. The slot carries no
+    positions: the router's copy of the step's (tok_pos) stands in."""
+    t = running_tables("steer_heads_")
+    n = z.shape[0]
+    t.backend.steer(t.steer, t.tok_slot, z.view(n, -1), None, t.tok_pos, site)
+
+
+@steer_heads_.register_fake
+def _(z, site) -> None:
     return None

@@ -45,10 +45,11 @@ def _steer_kernel(x_ptr, other_ptr, pos_ptr, slot_ptr, site_ptr, vec_ptr, coef_p
                 v = tl.load(bank_ptr + vi * stride_b + offs, mask=m, other=0.0).to(tl.float32)
                 u = v * tl.load(inv_ptr + vi)
                 p = tl.sum(s * u, axis=0)
-                lo = tl.load(coef_ptr + entries + e * 3 + 1)
-                hi = tl.load(coef_ptr + entries + e * 3 + 2)
+                lo = tl.load(coef_ptr + entries + e * 4 + 1)
+                hi = tl.load(coef_ptr + entries + e * 4 + 2)
+                g = tl.load(coef_ptr + entries + e * 4 + 3)
                 pc = tl.minimum(tl.maximum(p, lo), hi)
-                d = tl.load(coef_ptr + entries + e * 3) * v + (pc - p) * u
+                d = tl.load(coef_ptr + entries + e * 4) * v + (pc - p) * u + g * (v * s)
                 s += d
                 delta += d
         tl.store(x_ptr + row * stride_x + offs, (x + delta).to(x_ptr.dtype.element_ty), mask=m)

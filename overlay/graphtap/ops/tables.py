@@ -41,10 +41,11 @@ class SteerTables:
     """Steering entries (E per slot, W bitmap words) and the resident vectors (V rows):
       site[R+1, E]      site id of each entry, -1 = unused (the sentinel's row stays so)
       vec[R+1, E]       row of `bank` holding the entry's vector
-      coef[R+1, E, 3]   (a, lo, hi): delta = a*v + (clamp(p, lo, hi) - p) * v_hat,
-                        p = <h, v_hat>
+      coef[R+1, E, 4]   (a, lo, hi, g): delta = a*v + (clamp(p, lo, hi) - p) * v_hat
+                        + g * (v * h), p = <h, v_hat> (g: head scaling at z, v its mask)
       pos[R+1, E, W]    bitmap over positions: the entry applies where bit p is set
-      bank[V+1, H]      resident vectors (row 0 is zero); inv_norm[V+1] = 1/|v| (0: row 0)
+      bank[V+1, H]      resident vectors (row 0 is zero), H the widest steered row (the
+                        residual or a z row); inv_norm[V+1] = 1/|v| (0: row 0)
     site, vec, coef and pos are views into the engine's slot block (one row stride)."""
 
     site: torch.Tensor
@@ -98,6 +99,30 @@ class RowTables:
 
 
 @dataclass
+class ProbeTables(RowTables):
+    """Probe scores, a row family (RowTables: entries, routing, buffer of P float32 scores
+    per row), plus per entry what the op computes, act(<h, bank[vec_p]> + bias_p):
+      entry_vec[R+1, C, P]   rows of the steering bank (shared, content-keyed) holding
+                             the weight vectors; 0 (the zero row) for unused scores
+      entry_bias[R+1, C, P]  biases; entry_act[R+1, C]: 1 = sigmoid, 0 = none
+    """
+
+    entry_vec: torch.Tensor = None
+    entry_bias: torch.Tensor = None
+    entry_act: torch.Tensor = None
+
+
+@dataclass
+class MassTables(RowTables):
+    """Attention mass, a row family routed like patterns (one row per wanted query token
+    and head), whose rows hold S float32 sums instead of max_model_len probabilities:
+      entry_spans[R+1, C, S, 2]  (start, end) key spans per entry; (0, 0) sums nothing
+    """
+
+    entry_spans: torch.Tensor = None
+
+
+@dataclass
 class KeyCache:
     """One layer's paged keys, as the pattern op reads them."""
 
@@ -112,14 +137,19 @@ class OpTables:
     """Every table one engine's ops read, and the backend picked for them at start.
       tok_slot[N]  request slot of each token row this step; the sentinel R = inactive
       tok_row[N]   batch row of each token row (valid where tok_slot is active)
+      tok_pos[N]   position of each token row, for ops whose slot has no positions
+                   (attention: steering heads at z); copied by the router each step
     """
 
     tok_slot: torch.Tensor
     tok_row: torch.Tensor
+    tok_pos: torch.Tensor
     steer: SteerTables
     capture: RowTables
     pattern: RowTables | None
     backend: Any  # ops.backend.Backend
+    probe: ProbeTables | None = None
+    mass: MassTables | None = None
     key_caches: dict[int, KeyCache] = field(default_factory=dict)  # site -> its keys
     # Python bodies run per op: inside replayed CUDA graphs they never run (only their
     # kernels replay), which is how the GPU check proves the ops ran in graphs.
@@ -132,7 +162,7 @@ class OpTables:
     def nbytes(self) -> int:
         """Device bytes of every table (views into one block counted once)."""
         seen, total = set(), 0
-        for part in (self, self.steer, self.capture, self.pattern):
+        for part in (self, self.steer, self.capture, self.pattern, self.probe, self.mass):
             for v in vars(part).values() if part is not None else ():
                 if isinstance(v, torch.Tensor):
                     key = v.untyped_storage().data_ptr()

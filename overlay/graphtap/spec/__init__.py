@@ -2,7 +2,7 @@
 into typed, data-only entries per hook family (imports nothing of the engine)."""
 from graphtap.spec.entries import (EMPTY, CaptureEntry, NormalisedSpec, PatternEntry, Span,
                                    SteerEntry)
-from graphtap.spec.normalise import ModelShape, normalise, steer_bounds
+from graphtap.spec.normalise import ModelShape, normalise, steer_bounds, steer_gain
 from graphtap.spec.registry import VectorRegistry
 from graphtap.spec.salt import combined_salt, steering_salt
 from graphtap.spec.schema import Capture, HookSpec, Steer, parse_spec
@@ -10,5 +10,5 @@ from graphtap.spec.sites import Site, SiteTable, expand_patterns, parse_site
 
 __all__ = ["EMPTY", "Capture", "CaptureEntry", "HookSpec", "ModelShape", "NormalisedSpec",
            "PatternEntry", "Site", "SiteTable", "Span", "Steer", "SteerEntry", "combined_salt",
-           "expand_patterns", "normalise", "parse_site", "parse_spec", "steer_bounds",
+           "expand_patterns", "normalise", "parse_site", "parse_spec", "steer_bounds", "steer_gain",
            "steering_salt", "VectorRegistry"]

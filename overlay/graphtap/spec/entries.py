@@ -27,7 +27,8 @@ PositionRule = Union[str, Span, tuple[int, ...]]
 
 
 class SteerEntry(msgspec.Struct, frozen=True):
-    """delta = a*v + (clamp(<h, v_hat>, lo, hi) - <h, v_hat>) * v_hat at the positions."""
+    """delta = a*v + (clamp(<h, v_hat>, lo, hi) - <h, v_hat>) * v_hat + g * (v * h) at
+    the positions (h: the row at the site; g scales the elements v masks: head scaling)."""
 
     layer: int
     kind: str
@@ -37,6 +38,7 @@ class SteerEntry(msgspec.Struct, frozen=True):
     lo: float
     hi: float
     positions: PositionRule
+    g: float = 0.0
 
 
 class CaptureEntry(msgspec.Struct, frozen=True):
@@ -60,6 +62,48 @@ class PatternEntry(msgspec.Struct, frozen=True):
     positions: PositionRule
 
 
+class ProbeEntry(msgspec.Struct, frozen=True):
+    """Scores act(<h, w_i> + b_i) of one residual site at the positions, on the device."""
+
+    layer: int
+    kind: str
+    name: str  # the output's key: "probe:<site>"
+    vectors: tuple[bytes, ...]  # float32 weight vectors, native byte order
+    keys: tuple[str, ...]  # their content hashes (resident rows shared with steering)
+    bias: tuple[float, ...]
+    sigmoid: bool
+    positions: PositionRule
+
+    @property
+    def dtype(self) -> str:  # scores are float32 (the row families' entry interface)
+        return "float32"
+
+
+class MassEntry(msgspec.Struct, frozen=True):
+    """Attention mass of the chosen query heads on key spans at the query positions."""
+
+    layer: int
+    name: str  # the output's key: "mass:<site>"
+    heads: tuple[int, ...]  # query heads, ascending
+    spans: tuple[Span, ...]
+    positions: PositionRule
+
+    @property
+    def dtype(self) -> str:
+        return "float32"
+
+
+class GuardEntry(msgspec.Struct, frozen=True):
+    """A guard over the request's own outputs: `sources` are their keys ("mass:<site>"
+    or one "probe:<site>"), evaluated per step on the host as rows arrive."""
+
+    kind: str  # "attention_focus" | "probe"
+    threshold: float
+    stop: bool
+    sources: tuple[str, ...]
+    column: int = 0
+
+
 class NormalisedSpec(msgspec.Struct, frozen=True):
     """A request's entries per family, and where its captures are saved."""
 
@@ -67,13 +111,21 @@ class NormalisedSpec(msgspec.Struct, frozen=True):
     steer: tuple[SteerEntry, ...] = ()
     capture: tuple[CaptureEntry, ...] = ()
     pattern: tuple[PatternEntry, ...] = ()
+    probe: tuple[ProbeEntry, ...] = ()
+    mass: tuple[MassEntry, ...] = ()
+    guard: GuardEntry | None = None
     save_to: str | None = None
     encoding: str = "raw"  # of the captures in an HTTP response: "raw" or "safetensors"
     capture_bytes: int = 0  # at most this many bytes of rows come back (set at admission)
 
     @property
     def captures_anything(self) -> bool:
-        return bool(self.capture or self.pattern)
+        return bool(self.capture or self.pattern or self.probe or self.mass)
+
+    @property
+    def vector_keys(self) -> set[str]:
+        """The resident vectors the request holds while it lives (steering and probes)."""
+        return {s.key for s in self.steer} | {k for p in self.probe for k in p.keys}
 
     def to_wire(self) -> dict:
         return msgspec.to_builtins(self, builtin_types=(bytes,))

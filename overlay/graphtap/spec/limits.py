@@ -26,7 +26,9 @@ def response_rows(spec: NormalisedSpec, prompt_len: int, max_tokens: int, max_le
         return counts[key]
 
     return (sum(count(c.positions) for c in spec.capture) +
-            sum(count(p.positions) * len(p.heads) for p in spec.pattern))
+            sum(count(p.positions) * len(p.heads) for p in spec.pattern) +
+            sum(count(p.positions) for p in spec.probe) +
+            sum(count(m.positions) * len(m.heads) for m in spec.mass))
 
 
 def check_response_rows(spec: NormalisedSpec, prompt_len: int, max_tokens: int,
@@ -60,6 +62,12 @@ def response_bytes(spec: NormalisedSpec, prompt_len: int, max_tokens: int, shape
         size = 4 if p.dtype == "float32" else model
         wanted = np.flatnonzero(position_mask(p.positions, prompt_len, max_len)[:ran])
         total += int((wanted + 1).sum()) * len(p.heads) * size
+    for p in spec.probe:  # float32 scores
+        total += int(np.count_nonzero(position_mask(p.positions, prompt_len, max_len)[:ran])) \
+            * len(p.vectors) * 4
+    for m in spec.mass:  # float32 masses per (query, head, span)
+        total += int(np.count_nonzero(position_mask(m.positions, prompt_len, max_len)[:ran])) \
+            * len(m.heads) * len(m.spans) * 4
     return total
 
 

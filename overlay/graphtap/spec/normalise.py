@@ -3,43 +3,26 @@ entries (`NormalisedSpec`): vectors become float32 bytes with a content key, eac
 the three numbers the graph op needs, and each capture goes to the family of its site."""
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 
 import numpy as np
-from pydantic import BaseModel
 
-from graphtap.spec.entries import CaptureEntry, NormalisedSpec, PatternEntry, Span, SteerEntry
+from graphtap.spec import scores
+from graphtap.spec.entries import CaptureEntry, NormalisedSpec, PatternEntry, SteerEntry
 from graphtap.spec.registry import VectorRegistry
-from graphtap.spec.schema import HookSpec, PositionRange, Steer, short
-from graphtap.spec.sites import KV_HEAD_KINDS, Site, parse_site
-
-
-class ModelShape(BaseModel):
-    """What validation needs to know about the served model and engine."""
-
-    num_layers: int
-    hidden_size: int
-    max_model_len: int
-    configured_sites: set[str]
-    max_steers: int
-    max_vectors: int
-    max_captures: int = 8
-    num_heads: int = 0
-    num_kv_heads: int = 0
-    save_root: str | None = None
-    max_response_rows: int = 65536
-    dtype: str = "float32"  # the model's: steering arithmetic must stay finite in it
-    head_dim: int = 0
-    max_response_bytes: int = 256 * 2**20
-    max_live_capture_bytes: int = 2 * 2**30
-    save_quota_bytes: int = 16 * 2**30
+from graphtap.spec.schema import HookSpec, Steer, short
+from graphtap.spec.shape import (DTYPE_MAX, HEADROOM, ModelShape, check_float32, rule_of,
+                                 site_of, vector_key)
+from graphtap.spec.sites import KV_HEAD_KINDS, Site
 
 
 def steer_bounds(s: Steer) -> tuple[float, float, float]:
-    """(a, lo, hi): delta = a * v + (clamp(p, lo, hi) - p) * v_hat, with p = <h, v_hat>."""
+    """(a, lo, hi): delta = a * v + (clamp(p, lo, hi) - p) * v_hat, with p = <h, v_hat>
+    ("scale" is g = scale - 1 on the elements its mask selects: steer_gain)."""
     inf = math.inf
+    if s.op == "scale":
+        return 0.0, -inf, inf
     if s.op == "add":
         return s.scale, -inf, inf
     if s.op == "set_projection":
@@ -49,33 +32,9 @@ def steer_bounds(s: Steer) -> tuple[float, float, float]:
     return 0.0, s.min, s.max
 
 
-def vector_key(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:32]
-
-
-def _positions(p, field: str, max_len: int):
-    if isinstance(p, str):
-        return p
-    if isinstance(p, PositionRange):
-        if p.start >= max_len:
-            raise ValueError(f"{field}.positions.start: {p.start} is beyond "
-                             f"max_model_len {max_len}")
-        return Span(p.start, min(p.end, max_len))
-    bad = [x for x in p if x >= max_len]
-    if bad:
-        raise ValueError(f"{field}.positions: {bad[0]} is beyond max_model_len {max_len}")
-    return tuple(sorted(set(p)))
-
-
-def _site(name: str, field: str, shape: ModelShape) -> Site:
-    try:
-        site = parse_site(name, shape.num_layers)
-    except ValueError as e:
-        raise ValueError(f"{field}.site: {e}") from None
-    if site.name not in shape.configured_sites:
-        raise ValueError(f"{field}.site: {site.name} has no op in this engine; "
-                         f"add it to hook_config.sites")
-    return site
+def steer_gain(s: Steer) -> float:
+    """g of delta's g * (v * h) term: "scale" multiplies the masked elements by scale."""
+    return s.scale - 1.0 if s.op == "scale" else 0.0
 
 
 def _heads(heads, site: Site, i: int, shape: ModelShape) -> tuple[int, ...] | None:
@@ -91,22 +50,10 @@ def _heads(heads, site: Site, i: int, shape: ModelShape) -> tuple[int, ...] | No
     return tuple(sorted(set(heads)))
 
 
-# The largest finite value of each model dtype; a request's steering at one position is
-# kept below 1/16 of it, so that the stream it edits (and the KV cache made from it)
-# stays finite: an inf there turns into NaN downstream (inf * 0, inf - inf) and reaches
-# other requests through reused cache blocks.
-DTYPE_MAX = {"float32": 3.4028235e38, "bfloat16": 3.3895314e38, "float16": 65504.0}
-HEADROOM = 1 / 16
-
-
-def _float32(x: float | None, field: str) -> None:
-    if x is not None and math.isfinite(x) and abs(x) > DTYPE_MAX["float32"]:
-        raise ValueError(f"{field}: {x} overflows float32, the precision of the steering "
-                         f"tables")
-
-
 def _magnitude(s: Steer, data: bytes, i: int, shape: ModelShape) -> float:
     """What this steer can add at a position, at most: |a| max|v|, or a bound it sets."""
+    if s.op == "scale":  # a mask: what it adds is bounded by MAX_HEAD_SCALE times z
+        return 0.0
     peak = float(np.abs(np.frombuffer(data, np.float32)).max())
     dtype_max = DTYPE_MAX.get(shape.dtype, DTYPE_MAX["float32"])
     if peak > dtype_max:
@@ -114,6 +61,46 @@ def _magnitude(s: Steer, data: bytes, i: int, shape: ModelShape) -> float:
                          f"model's {shape.dtype}")
     a, lo, hi = steer_bounds(s)
     return abs(a) * peak + max((abs(x) for x in (lo, hi) if math.isfinite(x)), default=0.0)
+
+
+def _head_vector(s: Steer, i: int, shape: ModelShape,
+                 vectors: VectorRegistry | None) -> bytes:
+    """At attn.hook_z, the row-wide vector of a head edit (float32 bytes over heads x
+    head_dim): "scale" a mask of the chosen heads; "add" its vector in each chosen head,
+    or a whole z row without heads."""
+    width, d = shape.num_heads * shape.head_dim, shape.head_dim
+    heads = _steer_heads(s, i, shape)
+    row = np.zeros((shape.num_heads, d), np.float32)
+    if s.op == "scale":
+        row[list(heads)] = 1.0
+        return row.tobytes()
+    want = d if heads else width
+    if isinstance(s.vector, str):
+        named = vectors.get(s.vector) if vectors is not None else None
+        if named is None:
+            raise ValueError(f"hooks.steer[{i}].vector: no registered vector named "
+                             f"{short(s.vector)} (GET /v1/graphtap/vectors lists them)")
+        values = np.frombuffer(named.data, np.float32)
+    else:
+        values = np.asarray(s.vector, dtype=np.float32)
+    if values.size != want:
+        what = "head_dim" if heads else "heads x head_dim"
+        raise ValueError(f"hooks.steer[{i}].vector: length {values.size}, {s.site} needs "
+                         f"{want} ({what})")
+    if not np.isfinite(values).all():
+        raise ValueError(f"hooks.steer[{i}].vector: overflows float32")
+    if not heads:
+        return values.astype(np.float32).tobytes()
+    row[list(heads)] = values
+    return row.tobytes()
+
+
+def _steer_heads(s: Steer, i: int, shape: ModelShape) -> tuple[int, ...]:
+    bad = [h for h in s.heads or () if not 0 <= h < shape.num_heads]
+    if bad:
+        raise ValueError(f"hooks.steer[{i}].heads: head {bad[0]} is out of range: "
+                         f"{s.site} has {shape.num_heads} heads (0..{shape.num_heads - 1})")
+    return tuple(sorted(set(s.heads or ())))
 
 
 def _vector(s: Steer, i: int, shape: ModelShape, vectors: VectorRegistry | None) -> bytes:
@@ -136,6 +123,24 @@ def _vector(s: Steer, i: int, shape: ModelShape, vectors: VectorRegistry | None)
     return data.tobytes()
 
 
+def _site_vector(s: Steer, site: Site, i: int, shape: ModelShape,
+                 vectors: VectorRegistry | None) -> bytes:
+    """The entry's vector for its site: the residual stream, or the heads of z."""
+    if site.kind == "attn_z":
+        if s.op not in ("add", "scale"):
+            raise ValueError(f"hooks.steer[{i}].op: at {site.name} only 'add' and 'scale' act "
+                             f"(per head); {s.op!r} acts on the residual stream")
+        return _head_vector(s, i, shape, vectors)
+    if not site.is_residual:
+        raise ValueError(f"hooks.steer[{i}].site: steering acts on the residual stream "
+                         f"(hook_resid_pre|mid|post) and on heads at attn.hook_z; "
+                         f"{site.name} can be captured only")
+    if s.op == "scale" or s.heads is not None:
+        raise ValueError(f"hooks.steer[{i}].{'op' if s.op == 'scale' else 'heads'}: "
+                         f"{site.name} has no heads (per-head edits act at attn.hook_z)")
+    return _vector(s, i, shape, vectors)
+
+
 def _steers(spec: HookSpec, shape: ModelShape,
             vectors: VectorRegistry | None) -> tuple[SteerEntry, ...]:
     if len(spec.steer) > shape.max_steers:
@@ -145,12 +150,9 @@ def _steers(spec: HookSpec, shape: ModelShape,
     dtype_max = DTYPE_MAX.get(shape.dtype, DTYPE_MAX["float32"])
     for i, s in enumerate(spec.steer):
         for name in ("scale", "target", "min", "max"):
-            _float32(getattr(s, name), f"hooks.steer[{i}].{name}")
-        site = _site(s.site, f"hooks.steer[{i}]", shape)
-        if not site.is_residual:
-            raise ValueError(f"hooks.steer[{i}].site: steering acts on the residual stream "
-                             f"(hook_resid_pre|mid|post); {site.name} can be captured only")
-        raw = _vector(s, i, shape, vectors)
+            check_float32(getattr(s, name), f"hooks.steer[{i}].{name}")
+        site = site_of(s.site, f"hooks.steer[{i}]", shape)
+        raw = _site_vector(s, site, i, shape, vectors)
         reach += _magnitude(s, raw, i, shape)
         if reach > dtype_max * HEADROOM:
             raise ValueError(f"hooks.steer[{i}]: this request's steering reaches {reach:g} at "
@@ -158,8 +160,8 @@ def _steers(spec: HookSpec, shape: ModelShape,
                              f"({dtype_max:g}): the stream would overflow")
         a, lo, hi = steer_bounds(s)
         steers.append(SteerEntry(site.layer, site.kind, raw, vector_key(raw), a, lo, hi,
-                                 _positions(s.positions, f"hooks.steer[{i}]",
-                                            shape.max_model_len)))
+                                 rule_of(s.positions, f"hooks.steer[{i}]",
+                                            shape.max_model_len), steer_gain(s)))
     keys = {s.key for s in steers}
     if len(keys) > shape.max_vectors:
         raise ValueError(f"hooks.steer: {len(keys)} distinct vectors, more than the engine's "
@@ -173,13 +175,13 @@ def _captures(spec: HookSpec, shape: ModelShape):
                          f"{shape.max_captures} per request (hook_config.max_captures)")
     rows, patterns, seen = [], [], set()
     for i, c in enumerate(spec.capture):
-        site = _site(c.site, f"hooks.capture[{i}]", shape)
+        site = site_of(c.site, f"hooks.capture[{i}]", shape)
         if site in seen:
             raise ValueError(f"hooks.capture[{i}].site: {site.name} is captured twice; "
                              f"merge the positions into one entry")
         seen.add(site)
         heads = _heads(c.heads, site, i, shape)
-        positions = _positions(c.positions, f"hooks.capture[{i}]", shape.max_model_len)
+        positions = rule_of(c.positions, f"hooks.capture[{i}]", shape.max_model_len)
         if site.capture_family == "pattern":
             patterns.append(PatternEntry(site.layer, site.name, c.dtype,
                                          heads or tuple(range(shape.num_heads)), positions))
@@ -195,10 +197,19 @@ def normalise(spec: HookSpec, shape: ModelShape,
     return the worker's data-only form."""
     steers = _steers(spec, shape, vectors)
     captures, patterns = _captures(spec, shape)
-    return NormalisedSpec(steer=steers, capture=captures, pattern=patterns,
-                          save_to=_save_to(spec.save_to, shape.save_root,
-                                           bool(captures or patterns)),
-                          encoding=spec.encoding)
+    probes = scores.probes(spec, shape, vectors)
+    masses = scores.masses(spec, shape)
+    out = NormalisedSpec(steer=steers, capture=captures, pattern=patterns, probe=probes,
+                         mass=masses, guard=scores.guard(spec, masses, probes, shape),
+                         save_to=_save_to(spec.save_to, shape.save_root,
+                                          bool(captures or patterns or probes or masses)),
+                         encoding=spec.encoding)
+    keys = out.vector_keys
+    if len(keys) > shape.max_vectors:
+        raise ValueError(f"hooks: {len(keys)} distinct vectors (steering and probe weights), "
+                         f"more than the engine's resident table of {shape.max_vectors} "
+                         f"(hook_config.max_vectors)")
+    return out
 
 
 SAVE_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -21,7 +21,7 @@ def steering_salt(spec: NormalisedSpec, prompt_len: int = 0) -> str | None:
         return None
     h = hashlib.sha256(b"graphtap-steer-v2")
     for s in spec.steer:
-        h.update(json.dumps([s.layer, s.kind, s.key, s.a, s.lo, s.hi,
+        h.update(json.dumps([s.layer, s.kind, s.key, s.a, s.lo, s.hi, s.g,
                              msgspec.to_builtins(s.positions)]).encode())
     if any(s.positions in RELATIVE for s in spec.steer):
         h.update(f"prompt_len={prompt_len}".encode())

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # Strict: a JSON true or "2.5" is not a number, 1.0 is not a head; integers are floats.
 STRICT = ConfigDict(extra="forbid", strict=True)
 
-OPS = ("add", "set_projection", "ablate", "clamp")
+OPS = ("add", "set_projection", "ablate", "clamp", "scale")
+MAX_HEAD_SCALE = 256.0  # past this a head's output is not scaled but overflowed
 
 
 def short(text, limit: int = 60) -> str:
@@ -74,14 +75,18 @@ def _plain(value: Any) -> Any:
 
 
 class Steer(BaseModel):
-    """One edit of the residual stream at one site."""
+    """One edit at one site: of the residual stream, or of chosen heads' outputs at
+    attn.hook_z (the interpretability staple: "scale" with scale 0 ablates a head)."""
 
     model_config = STRICT
 
     site: str
-    op: Literal["add", "set_projection", "ablate", "clamp"]
-    vector: list[float] | str
-    """The direction: its values, or the name of a vector registered with the server."""
+    op: Literal["add", "set_projection", "ablate", "clamp", "scale"]
+    vector: list[float] | str | None = None
+    """The direction: its values, or the name of a vector registered with the server.
+    At attn.hook_z with `heads`: head_dim values, added to each chosen head."""
+    heads: list[int] | None = Field(None, min_length=1)
+    """attn.hook_z only: the query heads edited ("scale" needs them)."""
     scale: float = 1.0
     target: float | None = None
     min: float | None = None
@@ -93,14 +98,16 @@ class Steer(BaseModel):
     def _positions(cls, p: Any):
         return _parse_positions(p)
 
-    @field_validator("vector", "scale", "target", "min", "max", mode="before")
+    @field_validator("vector", "scale", "target", "min", "max", "heads", mode="before")
     @classmethod
     def _numpy(cls, v: Any):
         return _plain(v)
 
     @field_validator("vector")
     @classmethod
-    def _finite(cls, v: list[float] | str) -> list[float] | str:
+    def _finite(cls, v: list[float] | str | None) -> list[float] | str | None:
+        if v is None:
+            return v
         if isinstance(v, str):
             if not v:
                 raise ValueError("a vector name must not be empty")
@@ -121,6 +128,18 @@ class Steer(BaseModel):
 
     @model_validator(mode="after")
     def _op_fields(self):
+        if self.op == "scale":
+            if self.vector is not None:
+                raise ValueError("op 'scale' multiplies the chosen heads by 'scale'; it takes "
+                                 "no vector")
+            if self.heads is None:
+                raise ValueError("op 'scale' needs 'heads' (the query heads it scales)")
+            if abs(self.scale) > MAX_HEAD_SCALE:
+                raise ValueError(f"op 'scale': scale {self.scale} is beyond "
+                                 f"+-{MAX_HEAD_SCALE:g}")
+            return self
+        if self.vector is None:
+            raise ValueError(f"op {self.op!r} needs 'vector'")
         if self.op == "set_projection" and self.target is None:
             raise ValueError("op 'set_projection' needs 'target'")
         if self.op == "clamp":
@@ -134,7 +153,23 @@ class Steer(BaseModel):
         return self
 
 
-class Capture(BaseModel):
+class _Rows(BaseModel):
+    """What captures and attention mass share: query positions and heads, parsed alike."""
+
+    model_config = STRICT
+
+    @field_validator("positions", mode="before", check_fields=False)
+    @classmethod
+    def _positions(cls, p: Any):
+        return _parse_positions(p)
+
+    @field_validator("heads", mode="before", check_fields=False)
+    @classmethod
+    def _numpy(cls, v: Any):
+        return _plain(v)
+
+
+class Capture(_Rows):
     """Rows of one site returned with the request."""
 
     model_config = STRICT
@@ -146,15 +181,103 @@ class Capture(BaseModel):
     """Attention sites only: which heads (q, z and pattern: query heads; k and v: KV
     heads). Default: all."""
 
+
+class Probe(BaseModel):
+    """Linear probes on one residual site, applied on the device: per wanted position one
+    score per weight vector, act(<h, w_i> + b_i), returned as `probe:<site>` rows
+    [positions, len(weights)] (float32) instead of the hidden states themselves."""
+
+    model_config = STRICT
+
+    site: str
+    weights: list[list[float] | str] = Field(min_length=1)
+    """One vector per score (hidden-size values, or the name of a registered vector)."""
+    bias: list[float] | None = None
+    """One per weight vector; default 0."""
+    activation: Literal["none", "sigmoid"] = "none"
+    positions: Any = "all"
+
     @field_validator("positions", mode="before")
     @classmethod
     def _positions(cls, p: Any):
         return _parse_positions(p)
 
-    @field_validator("heads", mode="before")
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _rows(cls, v: Any):
+        v = _plain(v)
+        return [_plain(w) for w in v] if isinstance(v, list) else v
+
+    @field_validator("bias", mode="before")
     @classmethod
     def _numpy(cls, v: Any):
         return _plain(v)
+
+    @field_validator("weights")
+    @classmethod
+    def _finite(cls, rows: list) -> list:
+        for i, w in enumerate(rows):
+            if isinstance(w, str):
+                if not w:
+                    raise ValueError(f"weights[{i}]: a vector name must not be empty")
+                continue
+            bad = next((j for j, x in enumerate(w) if not math.isfinite(x)), None)
+            if bad is not None:
+                raise ValueError(f"weights[{i}]: element {bad} is {w[bad]}: weights must "
+                                 f"be finite")
+        return rows
+
+    @model_validator(mode="after")
+    def _bias(self):
+        if self.bias is not None:
+            if len(self.bias) != len(self.weights):
+                raise ValueError(f"bias has {len(self.bias)} values for {len(self.weights)} "
+                                 f"weight vectors")
+            bad = next((b for b in self.bias if not math.isfinite(b)), None)
+            if bad is not None:
+                raise ValueError(f"bias must be finite, got {bad}")
+        return self
+
+
+class AttentionMass(_Rows):
+    """Attention mass on key spans, on the device: for the chosen query heads at the query
+    positions of a configured `blocks.{L}.attn.hook_pattern` site, the attention weight
+    summed over each span of key positions, returned as `mass:<site>` [queries, heads,
+    spans] (float32). Two spans at the last prompt token are the Attention Tracker's
+    instruction and data; N spans at a query are in-context re-ranking's documents."""
+
+    model_config = STRICT
+
+    site: str
+    spans: list[PositionRange] = Field(min_length=1)
+    heads: list[int] | None = Field(None, min_length=1)
+    """Query heads (default all)."""
+    positions: Any = "last_prompt"
+
+
+class Guard(BaseModel):
+    """A runtime guard on this request's own device scores. "attention_focus": the
+    Attention Tracker score at the last prompt token, mean over the request's
+    attention_mass entries (or the one at `site`) and their heads of
+    mass[span 0] / (mass[span 0] + mass[span 1]); flagged below `threshold`. "probe": the
+    score `column` of the request's probe (at `site`, default its first) at generated
+    positions; flagged above `threshold`. "stop" finishes a flagged request right after
+    that step (finish_reason "guard"); either way the outputs carry `guard`."""
+
+    model_config = STRICT
+
+    kind: Literal["attention_focus", "probe"]
+    threshold: float
+    action: Literal["annotate", "stop"] = "annotate"
+    site: str | None = None
+    column: int = Field(0, ge=0)
+
+    @field_validator("threshold")
+    @classmethod
+    def _finite(cls, x: float) -> float:
+        if not math.isfinite(x):
+            raise ValueError(f"must be finite, got {x}")
+        return x
 
 
 class HookSpec(BaseModel):
@@ -163,6 +286,9 @@ class HookSpec(BaseModel):
     model_config = STRICT
     steer: list[Steer] = Field(default_factory=list)
     capture: list[Capture] = Field(default_factory=list)
+    probe: list[Probe] = Field(default_factory=list)
+    attention_mass: list[AttentionMass] = Field(default_factory=list)
+    guard: Guard | None = None
     save_to: str | None = None
     """Directory for one safetensors file per request (written by the frontend)."""
     encoding: Literal["raw", "safetensors"] = "raw"

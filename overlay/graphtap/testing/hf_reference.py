@@ -5,8 +5,10 @@ HF decoder layers carry the residual stream whole, so the TransformerLens sites 
   resid_post[L]  the output of layer L              (forward hook on the layer)
   resid_mid[L]   resid_pre[L] + attention output    (edit the attention output so that
                                                      the sum takes the steered value)
+  attn.hook_z[L] o_proj's input, per head           (forward pre-hook on o_proj)
 Every steer is applied in list order with graphtap's formula, in float32:
   delta = a*v + (clamp(<h, v_hat>, lo, hi) - <h, v_hat>) * v_hat
+Head edits at z are written plainly instead (scale a head's slice, add to it).
 """
 from __future__ import annotations
 
@@ -49,6 +51,28 @@ def apply_steers(stream: torch.Tensor, steers: list, positions: torch.Tensor, pr
     return s.to(stream.dtype)
 
 
+def apply_head_steers(z: torch.Tensor, steers: list, positions: torch.Tensor,
+                      prompt_len: int, head_dim: int) -> torch.Tensor:
+    """z [T, heads * head_dim] -> edited: "scale" multiplies the chosen heads' slices,
+    "add" adds scale * vector to each chosen head (or to the whole row)."""
+    s = z.float().clone()
+    for steer, _, _, _ in steers:
+        mask = _selected(steer.positions, positions, prompt_len).unsqueeze(1)
+        new = s.clone()
+        heads = steer.heads or []
+        if steer.op == "scale":
+            for h in heads:
+                new[:, h * head_dim:(h + 1) * head_dim] *= steer.scale
+        elif heads:
+            v = steer.scale * torch.tensor(steer.vector, dtype=torch.float32)
+            for h in heads:
+                new[:, h * head_dim:(h + 1) * head_dim] += v
+        else:
+            new += steer.scale * torch.tensor(steer.vector, dtype=torch.float32)
+        s = torch.where(mask, new, s)
+    return s.to(z.dtype)
+
+
 class _PositionTracker:
     """Positions of the tokens in the current forward call (batch of one, KV cache on)."""
 
@@ -82,7 +106,14 @@ def hf_steering(model, hooks: dict, prompt_len: int):
     stash: dict[int, torch.Tensor] = {}
     for (layer, kind), steers in by_site.items():
         mod = layers[layer]
-        if kind == "resid_pre":
+        if kind == "attn_z":
+            attn = mod.self_attn
+
+            def o_in(module, args, steers=steers, d=attn.head_dim):
+                z = apply_head_steers(args[0][0], steers, tracker.current, prompt_len, d)
+                return (z[None], *args[1:])
+            handles.append(attn.o_proj.register_forward_pre_hook(o_in))
+        elif kind == "resid_pre":
             def pre(module, args, kwargs, steers=steers):
                 if args:
                     return (apply_steers(args[0][0], steers, tracker.current, prompt_len)[None],

@@ -18,11 +18,11 @@ class SteerFamily(FamilyBase):
 
     name = "steer"
 
-    def __init__(self, tables: EngineTables, sites: SiteTable):
+    def __init__(self, tables: EngineTables, sites: SiteTable, bank: VectorBank):
         self.t = tables.ops.steer
         self.slots, self.fields = tables.slots, tables.steer
         self.sites = sites
-        self.bank = VectorBank(self.t)
+        self.bank = bank  # the engine's resident vectors (probes share them)
         self._keys: dict[str, list[str]] = {}  # req_id -> vector keys it holds
         self._refused: dict[str, str] = {}  # req_id -> why, until the next step reports it
         self._slot_of: dict[str, int] = {}
@@ -39,7 +39,7 @@ class SteerFamily(FamilyBase):
                 site[i] = self.sites.id_of(s.layer, s.kind)
                 vec[i] = self.bank.acquire(s.key, s.vector)
                 keys.append(s.key)
-                coef[i] = (s.a, s.lo, s.hi)
+                coef[i] = (s.a, s.lo, s.hi, s.g)
                 pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
         except BankFull as e:  # refuse the request, never raise: the engine would die
             for key in keys:

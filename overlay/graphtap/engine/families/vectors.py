@@ -32,8 +32,12 @@ class VectorBank:
         row = self._rows.get(key)
         if row is None:
             row = self._take_row(key)
-            stored = torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy()).to(
-                self.t.bank.dtype)
+            # A residual vector or a z row (heads x head_dim), zero-padded to the bank's
+            # width: the op reads as many columns as its row has.
+            values = np.zeros(self.t.bank.shape[1], np.float32)
+            given = np.frombuffer(data, dtype=np.float32)
+            values[:given.size] = given
+            stored = torch.from_numpy(values).to(self.t.bank.dtype)
             # The norm of the vector as stored (bf16 rounds it), so v_hat is a unit vector.
             norm = float(stored.float().norm())
             self._pending[row] = (stored, 1.0 / norm if norm > 0 else 0.0)

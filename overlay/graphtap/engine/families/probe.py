@@ -1,0 +1,95 @@
+"""Probes: linear probes scored on the device at residual sites (ops/probe*.py), one
+buffer row of P float32 scores per wanted (site, token), returned per request as
+`probe:<site>` like a capture. Their weight vectors live in the steering bank (content-
+keyed, refcounted), which the frontend's admission already bounds."""
+from __future__ import annotations
+
+import torch
+
+from graphtap.courier import CaptureStep, OverflowKind, RequestErrors, RowFormat, StepSnapshots
+from graphtap.courier.rows import HOST_LABELS
+from graphtap.engine.families.vectors import BankFull, VectorBank
+from graphtap.engine.rows import RowFamily
+from graphtap.engine.tables import ProbeFields
+from graphtap.spec.entries import NormalisedSpec
+
+
+class ProbeFamily(RowFamily):
+    """Probe scores of residual sites; one buffer row per wanted token and site."""
+
+    name = "probe"
+    step_class = CaptureStep
+    overflow_kind = OverflowKind.PROBE_ROWS
+    host_labels = HOST_LABELS
+
+    def __init__(self, tables, fields: ProbeFields, slots, *args, bank: VectorBank,
+                 **kwargs):
+        super().__init__(tables, fields.entries, slots, *args, **kwargs)
+        self.extra, self.bank = fields, bank
+        self.site_names = {i: f"probe:{n}" for i, n in self.site_names.items()}
+        self._keys: dict[str, list[str]] = {}  # req_id -> bank keys it holds
+        self._rows: list[list[int]] = []  # bank rows of the request being added
+        self._refused: dict[str, str] = {}
+
+    def entries(self, spec: NormalisedSpec) -> tuple:
+        return spec.probe
+
+    def kind_of(self, entry) -> str:
+        return entry.kind
+
+    def describe(self, entry, dtype: torch.dtype) -> tuple[RowFormat, int]:
+        return RowFormat(torch.float32, len(entry.vectors), None, 0), 1
+
+    def columns(self, slots, hi: int) -> int:
+        return max((f.width for s in slots for f in self._formats[s].values()), default=0)
+
+    def add_request(self, slot: int, req_id: str, prompt_len: int,
+                    spec: NormalisedSpec) -> None:
+        self.remove_request(req_id)
+        x = self.extra
+        self.slots.reset(slot, [x.vec, x.bias, x.act])
+        held: list[str] = []
+        rows = []
+        try:
+            for entry in spec.probe:
+                rows.append([])
+                for key, data in zip(entry.keys, entry.vectors):
+                    rows[-1].append(self.bank.acquire(key, data))
+                    held.append(key)
+        except BankFull as e:  # refuse the request, never raise: the engine would die
+            for key in held:
+                self.bank.release(key)
+            self._refused[req_id] = str(e).replace("hooks.steer", "hooks.probe")
+            return
+        self._rows = rows
+        super().add_request(slot, req_id, prompt_len, spec)
+        self._rows = []
+        if held:
+            self._keys[req_id] = held
+
+    def write_extra(self, slot: int, i: int, entry) -> None:
+        x, view = self.extra, self.slots.host_view
+        rows = self._rows[i]
+        view(x.vec)[slot, i, :len(rows)] = rows
+        view(x.bias)[slot, i, :len(rows)] = entry.bias
+        view(x.act)[slot, i] = int(entry.sigmoid)
+
+    def remove_request(self, req_id: str) -> None:
+        self._refused.pop(req_id, None)
+        slot = self._slot_of.get(req_id)
+        super().remove_request(req_id)
+        if slot is not None:
+            x = self.extra
+            self.slots.reset(slot, [x.vec, x.bias, x.act])
+        for key in self._keys.pop(req_id, []):
+            self.bank.release(key)
+
+    def apply_staged_writes(self) -> None:
+        self.bank.apply()  # shared with steering: whichever runs first writes the rows
+
+    def snapshot(self):
+        step = super().snapshot()
+        if not self._refused:
+            return step
+        errors, self._refused = RequestErrors(self._refused), {}
+        return errors if step is None else StepSnapshots([step, errors])

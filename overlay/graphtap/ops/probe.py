@@ -1,0 +1,45 @@
+"""`graphtap::probe_resid_`: linear probes on the residual stream, on the device: for each
+token row routed a probe row (ops/route*.py, like captures), its slot's entry at this
+site scores it, act(<h, w_p> + b_p) for each of its P weight vectors, into the probe
+buffer; guards then move P floats per token, not the hidden state.
+
+Declared as mutating the stream tensor (left alone) so that dead-code elimination keeps
+it; rows not probed go to the buffer's trash row, so the op has no data-dependent shape
+and no host sync: safe inside CUDA graphs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from graphtap.ops.running import running_tables
+from graphtap.ops.tables import ProbeTables
+
+
+def probe_reference(t: ProbeTables, bank: torch.Tensor, tok_slot: torch.Tensor,
+                    x: torch.Tensor, other: torch.Tensor | None, site: int) -> None:
+    """Scores of x (+ other) in float32 into t.buf at the routed rows. A token's entry is
+    the one of its slot at this site (a request probes each site once); tokens that
+    route nowhere write the trash row, whatever their entry holds."""
+    n = x.shape[0]
+    stream = x.float() if other is None else x.float() + other.float()
+    slot = tok_slot[:n]
+    entry = (t.entry_site[slot] == site).int().argmax(1)  # [n]; any entry if none matches
+    vec = t.entry_vec[slot, entry].long()  # [n, P]
+    weights = bank[vec, :stream.shape[1]].float()  # [n, P, H]
+    score = torch.einsum("nh,nph->np", stream, weights) + t.entry_bias[slot, entry]
+    score = torch.where((t.entry_act[slot, entry] == 1).unsqueeze(1), torch.sigmoid(score),
+                        score)
+    t.buf.index_copy_(0, t.dst[site, :n], score.to(t.buf.dtype))
+
+
+@torch.library.custom_op("graphtap::probe_resid_", mutates_args=("x",))
+def probe_resid_(x: torch.Tensor, other: Optional[torch.Tensor], site: int) -> None:
+    t = running_tables("probe_resid_")
+    t.backend.probe(t.probe, t.steer.bank, t.tok_slot, x, other, site)
+
+
+@probe_resid_.register_fake
+def _(x, other, site) -> None:
+    return None
