@@ -269,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=48)
     ap.add_argument("--disconnect", type=float, default=0.05)
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--long-tokens", type=int, default=40,
+                    help="max_tokens of the longest prompt's cases (decode growth preempts)")
     ap.add_argument("--max-num-seqs", type=int, default=24)
     ap.add_argument("--batched-tokens", type=int, default=96)
     ap.add_argument("--kv-cache-bytes", type=int, default=6 * 2**20)

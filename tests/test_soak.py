@@ -26,4 +26,5 @@ def test_soak_1000_requests(tmp_path, llama_path):
     assert not report["held_at_end"] and not report["solo_refused"], report
     assert report["checked"] > 900 and report["rows_checked"] > 10_000, report
     assert report["left_mid_stream"] > 20, report  # the disconnects did happen
+    assert report["preemptions"] > 0, report  # and so did preemption (vLLM's counter)
     assert res.returncode == 0, res.stdout[-2000:]
