@@ -96,7 +96,8 @@ def _soak(group: dict) -> str:
                      f"{d['left_mid_stream']} | {d['status_5xx']} | {d['status_4xx']} | "
                      f"{d['tokens_differ']} | {d['rows_checked']:,} | {d['rows_lost']} | "
                      f"{d['rows_misattributed']} | {len(d['held_at_end'])} | "
-                     f"{d.get('preemptions', '–')} | {growth} | {d['seconds']:.0f} |")
+                     f"{'–' if d.get('preemptions') is None else d['preemptions']} | "
+                     f"{growth} | {d['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
