@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
     report = run(args)
-    text = json.dumps(report, indent=1)
+    text = json.dumps(report, indent=1, default=str)  # paths in the config
     if args.out:
         args.out.write_text(text)
     print(text)
