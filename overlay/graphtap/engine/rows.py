@@ -64,6 +64,10 @@ class RowFamily(FamilyBase):
         """(output format, rows per wanted token) of an entry."""
         raise NotImplementedError
 
+    # Per-slot fields beyond site, positions and heads (probe weights, mass spans): reset
+    # with them whenever a slot is (re)filled or freed.
+    extra_fields: tuple = ()
+
     def write_extra(self, slot: int, i: int, entry) -> None:
         """Fields beyond site and positions (patterns: the chosen heads)."""
 
@@ -77,7 +81,7 @@ class RowFamily(FamilyBase):
                     spec: NormalisedSpec) -> None:
         self.remove_request(req_id)
         f = self.fields
-        self.slots.reset(slot, [x for x in (f.site, f.pos, f.heads) if x is not None])
+        self.reset_slot(slot)
         site, pos = self.slots.host_view(f.site)[slot], self.slots.host_view(f.pos)[slot]
         formats, wanted = {}, Wants(self.max_len)
         entries = self.entries(spec)
@@ -102,8 +106,12 @@ class RowFamily(FamilyBase):
             self._cols.pop(slot, None)
             self._ends[slot] = 0
             del self._wanted[req_id]
-            f = self.fields  # inactive again (written with the next staged writes)
-            self.slots.reset(slot, [x for x in (f.site, f.pos, f.heads) if x is not None])
+            self.reset_slot(slot)  # inactive again (written with the next staged writes)
+
+    def reset_slot(self, slot: int) -> None:
+        f = self.fields
+        self.slots.reset(slot, [x for x in (f.site, f.pos, f.heads, *self.extra_fields)
+                                if x is not None])
 
     def stats(self) -> dict:
         return {"requests": len(self._slot_of),

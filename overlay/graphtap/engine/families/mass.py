@@ -25,6 +25,7 @@ class MassFamily(RowFamily):
     def __init__(self, tables, fields: MassFields, slots, *args, **kwargs):
         super().__init__(tables, fields.entries, slots, *args, **kwargs)
         self.spans = fields.spans
+        self.extra_fields = (fields.spans,)
         self.site_names = {i: f"mass:{n}" for i, n in self.site_names.items()}
 
     def entries(self, spec: NormalisedSpec) -> tuple:
@@ -40,17 +41,6 @@ class MassFamily(RowFamily):
 
     def describe(self, entry, dtype: torch.dtype) -> tuple[MassFormat, int]:
         return MassFormat(len(entry.heads), len(entry.spans)), len(entry.heads)
-
-    def add_request(self, slot: int, req_id: str, prompt_len: int,
-                    spec: NormalisedSpec) -> None:
-        self.slots.reset(slot, [self.spans])
-        super().add_request(slot, req_id, prompt_len, spec)
-
-    def remove_request(self, req_id: str) -> None:
-        slot = self._slot_of.get(req_id)
-        super().remove_request(req_id)
-        if slot is not None:
-            self.slots.reset(slot, [self.spans])
 
     def columns(self, slots, hi: int) -> int:
         return max((f.spans for s in slots for f in self._formats[s].values()), default=0)

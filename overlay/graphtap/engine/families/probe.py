@@ -26,6 +26,7 @@ class ProbeFamily(RowFamily):
                  **kwargs):
         super().__init__(tables, fields.entries, slots, *args, **kwargs)
         self.extra, self.bank = fields, bank
+        self.extra_fields = (fields.vec, fields.bias, fields.act)
         self.site_names = {i: f"probe:{n}" for i, n in self.site_names.items()}
         self._keys: dict[str, list[str]] = {}  # req_id -> bank keys it holds
         self._rows: list[list[int]] = []  # bank rows of the request being added
@@ -46,21 +47,17 @@ class ProbeFamily(RowFamily):
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
         self.remove_request(req_id)
-        x = self.extra
-        self.slots.reset(slot, [x.vec, x.bias, x.act])
-        held: list[str] = []
-        rows = []
+        vectors = [(k, d) for entry in spec.probe for k, d in zip(entry.keys, entry.vectors)]
         try:
-            for entry in spec.probe:
-                rows.append([])
-                for key, data in zip(entry.keys, entry.vectors):
-                    rows[-1].append(self.bank.acquire(key, data))
-                    held.append(key)
+            flat = self.bank.acquire_all(vectors)
         except BankFull as e:  # refuse the request, never raise: the engine would die
-            for key in held:
-                self.bank.release(key)
-            self._refused[req_id] = str(e).replace("hooks.steer", "hooks.probe")
+            self.reset_slot(slot)
+            self._refused[req_id] = f"hooks.probe: {e}: this request ran without its probes"
             return
+        held, rows = [k for k, _ in vectors], []
+        for entry in spec.probe:
+            rows.append(flat[:len(entry.vectors)])
+            flat = flat[len(entry.vectors):]
         self._rows = rows
         super().add_request(slot, req_id, prompt_len, spec)
         self._rows = []
@@ -76,11 +73,7 @@ class ProbeFamily(RowFamily):
 
     def remove_request(self, req_id: str) -> None:
         self._refused.pop(req_id, None)
-        slot = self._slot_of.get(req_id)
         super().remove_request(req_id)
-        if slot is not None:
-            x = self.extra
-            self.slots.reset(slot, [x.vec, x.bias, x.act])
         for key in self._keys.pop(req_id, []):
             self.bank.release(key)
 

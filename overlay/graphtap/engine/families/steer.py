@@ -33,20 +33,17 @@ class SteerFamily(FamilyBase):
         f, host = self.fields, self.slots.host_view
         self.slots.reset(slot, [f.site, f.vec, f.coef, f.pos])
         site, vec, coef, pos = (host(x)[slot] for x in (f.site, f.vec, f.coef, f.pos))
-        keys = []
         try:
-            for i, s in enumerate(spec.steer):
-                site[i] = self.sites.id_of(s.layer, s.kind)
-                vec[i] = self.bank.acquire(s.key, s.vector)
-                keys.append(s.key)
-                coef[i] = (s.a, s.lo, s.hi, s.g)
-                pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
+            rows = self.bank.acquire_all([(s.key, s.vector) for s in spec.steer])
         except BankFull as e:  # refuse the request, never raise: the engine would die
-            for key in keys:
-                self.bank.release(key)
-            self.slots.reset(slot, [f.site, f.vec, f.coef, f.pos])
-            self._refused[req_id] = str(e)
+            self._refused[req_id] = f"hooks.steer: {e}: this request ran unsteered"
             return
+        keys = [s.key for s in spec.steer]
+        for i, s in enumerate(spec.steer):
+            site[i] = self.sites.id_of(s.layer, s.kind)
+            vec[i] = rows[i]
+            coef[i] = (s.a, s.lo, s.hi, s.g)
+            pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
         if keys:
             self._keys[req_id] = keys
             self._slot_of[req_id] = slot

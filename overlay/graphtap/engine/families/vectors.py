@@ -46,6 +46,19 @@ class VectorBank:
         self._refs[key] = self._refs.get(key, 0) + 1
         return row
 
+    def acquire_all(self, vectors: list[tuple[str, bytes]]) -> list[int]:
+        """Rows for (key, data) pairs, all or none: on BankFull the ones taken are
+        released before it propagates."""
+        rows: list[int] = []
+        try:
+            for key, data in vectors:
+                rows.append(self.acquire(key, data))
+        except BankFull:
+            for key, _ in vectors[:len(rows)]:
+                self.release(key)
+            raise
+        return rows
+
     def release(self, key: str) -> None:
         n = self._refs.get(key, 0) - 1
         if n <= 0:
@@ -74,9 +87,9 @@ class VectorBank:
                 del self._rows[old]
                 return row
         raise BankFull(
-            f"hooks.steer: refused by the engine: all {self.capacity} resident vector rows "
-            f"are held by live requests (hook_config.max_vectors); this request ran "
-            f"unsteered. The frontend admits only what fits, so please report it")
+            f"refused by the engine: all {self.capacity} resident vector rows are held by "
+            f"live requests (hook_config.max_vectors; the frontend admits only what fits, "
+            f"so please report it)")
 
     def resident(self) -> int:
         return len(self._rows)
