@@ -332,3 +332,57 @@ def test_rerank_orders_documents_as_the_hf_reference(steer_engine):
     want = (want[0] - want[1]).numpy()
     assert [i for i, _ in got] == list(np.argsort(-want, kind="stable"))
     assert np.abs(np.array([s for _, s in sorted(got)]) - want).max() <= 1e-5
+
+
+def test_conditional_steering_gated_on_equals_hf_and_gated_off_is_plain(steer_engine):
+    """CAST-style: steer the generation only when the prompt's residual at layer 1
+    projects past a threshold on a condition vector, decided on the device. The
+    threshold splits two prompts (midway between their HF projections); in one batch the
+    prompt whose gate opens equals HF with the same conditional hook, and the one whose
+    gate stays shut is bit-identical (tokens and logprobs) to the same batch unsteered.
+    "below" flips which one is steered."""
+    from vllm import SamplingParams
+
+    from graphtap.testing.hf_reference import hf_capture
+
+    llm, path, hidden, layers = steer_engine
+    prompts = tokenize(path, [PROMPT, "Numbers like 12, 40 and 7 are small"])
+    cond_site = "blocks.1.hook_resid_post"
+    c = np.array(vector(hidden, 41))
+    hf = _hf_model(str(path))
+    proj = []
+    for ids in prompts:
+        rows, pos, _ = hf_capture(hf, ids, 1, [cond_site])
+        last = rows[cond_site][(pos[cond_site] == len(ids) - 1).nonzero()[0, 0]].numpy()
+        proj.append(float(last @ c / np.linalg.norm(c)))
+    assert abs(proj[0] - proj[1]) > 1e-3
+    threshold = (proj[0] + proj[1]) / 2
+    high = int(np.argmax(proj))
+
+    def spec(compare):
+        return {"steer": [{"site": f"blocks.{layers - 1}.hook_resid_post", "op": "add",
+                           "scale": 6.0, "vector": vector(hidden, 42), "positions": "generated",
+                           "condition": {"site": cond_site, "vector": c.tolist(),
+                                         "threshold": threshold, "compare": compare}}]}
+
+    def batch(hooks):
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+                                 hooks=h) for h in hooks]
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params,
+                            use_tqdm=False)
+        return [(list(o.outputs[0].token_ids),
+                 [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]
+
+    for compare, on in (("above", high), ("below", 1 - high)):
+        off = 1 - on
+        gated = batch([spec(compare)] * 2)
+        mixed = [None, None]
+        mixed[on] = spec(compare)
+        reference = batch(mixed)  # the same batch with the gated-off request plain
+        assert gated[off] == reference[off], "a shut gate must leave the request as it was"
+        assert gated[on] == reference[on]
+        want = hf_generate(hf, prompts[on], MAX_TOKENS, spec(compare))
+        assert_parity(gated[on], want)
+        plain = hf_generate(hf, prompts[on], MAX_TOKENS)
+        assert gated[on][0] != plain[0], "the open gate's steer should matter"

@@ -1,5 +1,6 @@
 """Every Triton kernel of graphtap against its torch reference on a real GPU (compiled,
-not interpreted), on random tables: steering (residual and z rows, head gains), probes,
+not interpreted), on random tables: steering (residual and z rows, head gains, gates of
+conditional steers), probes,
 attention patterns and attention mass on a paged cache. Needs torch and Triton only (no
 vLLM): `PYTHONPATH=overlay python -m benchmarks.gpu.check_kernels`. Exits 1 on a mismatch."""
 from __future__ import annotations
@@ -54,6 +55,41 @@ def check_steer(dtype) -> float:
     steer_triton(t, tok_slot, tri, other, pos, 1)
     # relative to the stream's scale: bfloat16 rounds each side once (one ulp apart)
     return float((ref.float() - tri.float()).abs().max() / ref.float().abs().max())
+
+
+def check_conditions() -> float:
+    """Conditional steering: gates decided at site 0 (projection above, below, sigmoid
+    probe), steers at site 1; the kernel's gates must equal the reference's exactly, and
+    the steered rows agree like plain steering. Returns the relative difference (inf on
+    a gate that differs)."""
+    from graphtap.ops.steer import steer_reference
+    from graphtap.ops.steer_triton import steer_triton
+
+    outs, gates = [], []
+    for op in (steer_reference, steer_triton):
+        g = torch.Generator(device="cpu").manual_seed(5)
+        t = tables().steer
+        t.bank[1:] = torch.randn(6, 128, generator=g).to(DEV)
+        t.inv_norm[1:] = 1.0 / t.bank[1:].norm(dim=1)
+        for slot in range(4):
+            t.site[slot, 0], t.vec[slot, 0] = 1, 1 + slot
+            t.coef[slot, 0] = torch.tensor([2.0, -math.inf, math.inf, 0.0], device=DEV)
+            t.pos[slot, 0] = torch.from_numpy(position_bitmap("generated", 6, 256,
+                                                              t.pos.shape[2]))
+            t.cond_site[slot, 0], t.cond_vec[slot, 0], t.cond_pos[slot, 0] = 0, 5 + slot % 2, 5
+            t.cond_mode[slot, 0] = [1, 5, 2, 0][slot]  # unit, unit|below, sigmoid, plain
+            t.cond_coef[slot, 0] = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.5, 0.5],
+                                                 [-1.0, 0.0]][slot], device=DEV)
+        tok_slot = torch.arange(64, device=DEV) % 5
+        pos = torch.where(torch.arange(64, device=DEV) < 5, 5, 6 + torch.arange(64, device=DEV))
+        x = torch.randn(64, 128, generator=g).to(DEV)
+        for site in (0, 1):
+            op(t, tok_slot, x, None, pos, site)
+        outs.append(x)
+        gates.append(t.gate[:4, 0].clone())
+    if not torch.equal(gates[0], gates[1]) or gates[0].tolist().count(1) not in (1, 2, 3):
+        return math.inf
+    return float((outs[0] - outs[1]).abs().max() / outs[0].abs().max())
 
 
 def check_probe() -> float:
@@ -130,9 +166,11 @@ def check_attention() -> dict:
 
 def main() -> int:
     found = {"steer_float32": check_steer(torch.float32),
-             "steer_bfloat16": check_steer(torch.bfloat16), "probe": check_probe(),
+             "steer_bfloat16": check_steer(torch.bfloat16), "conditions": check_conditions(),
+             "probe": check_probe(),
              **check_attention(), "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (Triton interpreter)"}
-    limits = {"steer_float32": 1e-6, "steer_bfloat16": 1e-2, "probe": 1e-4, "pattern": 1e-5,
+    limits = {"steer_float32": 1e-6, "steer_bfloat16": 1e-2, "conditions": 1e-6,
+              "probe": 1e-4, "pattern": 1e-5,
               "mass": 1e-5}
     bad = {k: v for k, v in found.items() if k in limits and not v <= limits[k]}
     print(json.dumps({**found, "ok": not bad}, indent=1))

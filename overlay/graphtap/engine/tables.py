@@ -48,6 +48,17 @@ class SteerFields:
     vec: SlotField
     coef: SlotField
     pos: SlotField
+    cond_site: SlotField
+    cond_vec: SlotField
+    cond_mode: SlotField
+    cond_coef: SlotField
+    cond_pos: SlotField
+    gate: SlotField
+
+    @property
+    def all(self) -> list[SlotField]:
+        return [self.site, self.vec, self.coef, self.pos, self.cond_site, self.cond_vec,
+                self.cond_mode, self.cond_coef, self.cond_pos, self.gate]
 
 
 @dataclass(frozen=True)
@@ -123,7 +134,15 @@ def allocate(s: Sizes, backend: Backend, device: torch.device) -> EngineTables:
                         # (a, lo, hi, g) of an unused entry: no change
                         layout.reserve((s.max_steers, 4), torch.float32,
                                        (0.0, -float("inf"), float("inf"), 0.0)),
-                        layout.reserve((s.max_steers, words), torch.int32, 0))
+                        layout.reserve((s.max_steers, words), torch.int32, 0),
+                        # conditions: site -1 = none; mode bits unit|sigmoid|below;
+                        # (bias, threshold); the deciding position; the gate, which the
+                        # op writes (the host only clears it when the slot is refilled)
+                        *(layout.reserve((s.max_steers,), torch.int32, fill)
+                          for fill in (-1, 0, 0)),
+                        layout.reserve((s.max_steers, 2), torch.float32, (0.0, 0.0)),
+                        *(layout.reserve((s.max_steers,), torch.int32, fill)
+                          for fill in (-1, 0)))
     capture = _entries(layout, s.max_captures, words, None)
     pattern = _entries(layout, s.max_captures, words, s.num_heads) if s.patterns else None
     probe = None
@@ -144,6 +163,11 @@ def allocate(s: Sizes, backend: Backend, device: torch.device) -> EngineTables:
         tok_pos=torch.zeros((s.max_tokens,), dtype=torch.int64, device=device),
         steer=SteerTables(site=block.view(steer.site), vec=block.view(steer.vec),
                           coef=block.view(steer.coef), pos=block.view(steer.pos),
+                          cond_site=block.view(steer.cond_site),
+                          cond_vec=block.view(steer.cond_vec),
+                          cond_mode=block.view(steer.cond_mode),
+                          cond_coef=block.view(steer.cond_coef),
+                          cond_pos=block.view(steer.cond_pos), gate=block.view(steer.gate),
                           bank=torch.zeros((s.max_vectors + 1, s.steer_width), dtype=s.dtype,
                                            device=device),
                           inv_norm=torch.zeros((s.max_vectors + 1,), **f32), max_len=s.max_len),

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from graphtap.ops.running import running_tables
-from graphtap.ops.tables import SteerTables, position_bit
+from graphtap.ops.tables import COND_BELOW, COND_SIGMOID, COND_UNIT, SteerTables, position_bit
 
 
 def steer_reference(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
@@ -29,7 +29,8 @@ def steer_reference(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
     delta = torch.zeros_like(stream)
     touched = torch.zeros(n, dtype=torch.bool, device=x.device)
     for e in range(t.max_steers):
-        active = (t.site[slot, e] == site) & position_bit(t.pos[slot, e], pos)
+        active = (t.site[slot, e] == site) & position_bit(t.pos[slot, e], pos) & \
+            gate_open(t, slot, e)
         vidx = t.vec[slot, e].long()
         v = t.bank[vidx, :x.shape[1]].float()
         u = v * t.inv_norm[vidx].unsqueeze(1)
@@ -42,6 +43,30 @@ def steer_reference(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
         delta = delta + d
         touched |= active
     x.copy_(torch.where(touched.unsqueeze(1), x + delta.to(x.dtype), x))
+    decide_conditions(t, slot, positions[:n].long(), stream, site)
+
+
+def gate_open(t: SteerTables, slot: torch.Tensor, e: int) -> torch.Tensor:
+    """Whether entry e of each token's slot may act: unconditioned, or its gate decided on."""
+    return (t.cond_site[slot, e] < 0) | (t.gate[slot, e] != 0)
+
+
+def decide_conditions(t: SteerTables, slot: torch.Tensor, pos: torch.Tensor,
+                      stream: torch.Tensor, site: int) -> None:
+    """Write the gate of every entry whose condition is scored at this site, from the row
+    of its deciding position (the stream as it leaves the site's steering: what a probe
+    there sees). Rows that decide nothing write into the sentinel's row, which no entry
+    reads, so the write is the same for every step (no masking, no host sync)."""
+    sentinel = t.site.shape[0] - 1
+    for e in range(t.max_steers):
+        hit = (t.cond_site[slot, e] == site) & (t.cond_pos[slot, e] == pos)
+        row = t.cond_vec[slot, e].long()
+        mode, coef = t.cond_mode[slot, e], t.cond_coef[slot, e]
+        dot = (stream * t.bank[row, :stream.shape[1]].float()).sum(-1)
+        score = torch.where((mode & COND_UNIT) != 0, dot * t.inv_norm[row], dot) + coef[:, 0]
+        score = torch.where((mode & COND_SIGMOID) != 0, torch.sigmoid(score), score)
+        on = torch.where((mode & COND_BELOW) != 0, score < coef[:, 1], score > coef[:, 1])
+        t.gate[:, e].index_put_((torch.where(hit, slot, sentinel),), on.to(t.gate.dtype))
 
 
 @torch.library.custom_op("graphtap::steer_resid_", mutates_args=("x",))

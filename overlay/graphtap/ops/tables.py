@@ -46,7 +46,15 @@ class SteerTables:
       pos[R+1, E, W]    bitmap over positions: the entry applies where bit p is set
       bank[V+1, H]      resident vectors (row 0 is zero), H the widest steered row (the
                         residual or a z row); inv_norm[V+1] = 1/|v| (0: row 0)
-    site, vec, coef and pos are views into the engine's slot block (one row stride)."""
+    An entry's condition (conditional steering), decided by the op at its site:
+      cond_site[R+1, E]     residual site of the condition, -1 = the entry always acts
+      cond_vec[R+1, E]      bank row of the condition's vector
+      cond_mode[R+1, E]     bits: COND_UNIT (score <h, v_hat>, else <h, v> + bias),
+                            COND_SIGMOID, COND_BELOW (on when score < threshold)
+      cond_coef[R+1, E, 2]  (bias, threshold)
+      cond_pos[R+1, E]      the position whose row decides (the last prompt token)
+      gate[R+1, E]          1 once decided on, 0 before or off; written by the op there
+    All are views into the engine's slot block (one row stride)."""
 
     site: torch.Tensor
     vec: torch.Tensor
@@ -55,10 +63,19 @@ class SteerTables:
     bank: torch.Tensor
     inv_norm: torch.Tensor
     max_len: int
+    cond_site: torch.Tensor
+    cond_vec: torch.Tensor
+    cond_mode: torch.Tensor
+    cond_coef: torch.Tensor
+    cond_pos: torch.Tensor
+    gate: torch.Tensor
 
     @property
     def max_steers(self) -> int:
         return self.site.shape[1]
+
+
+COND_UNIT, COND_SIGMOID, COND_BELOW = 1, 2, 4  # SteerTables.cond_mode bits
 
 
 @dataclass

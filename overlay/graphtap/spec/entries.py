@@ -26,6 +26,21 @@ class Span(msgspec.Struct, frozen=True):
 PositionRule = Union[str, Span, tuple[int, ...]]
 
 
+class ConditionEntry(msgspec.Struct, frozen=True):
+    """A steer's gate: score = <h, v/|v|> (unit) or act(<h, v> + bias) of one residual
+    site at the last prompt token; on when score > threshold (< with `below`)."""
+
+    layer: int
+    kind: str
+    vector: bytes  # float32, native byte order
+    key: str
+    threshold: float
+    unit: bool
+    bias: float = 0.0
+    sigmoid: bool = False
+    below: bool = False
+
+
 class SteerEntry(msgspec.Struct, frozen=True):
     """delta = a*v + (clamp(<h, v_hat>, lo, hi) - <h, v_hat>) * v_hat + g * (v * h) at
     the positions (h: the row at the site; g scales the elements v masks: head scaling)."""
@@ -39,6 +54,7 @@ class SteerEntry(msgspec.Struct, frozen=True):
     hi: float
     positions: PositionRule
     g: float = 0.0
+    condition: ConditionEntry | None = None  # None: always on
 
 
 class CaptureEntry(msgspec.Struct, frozen=True):
@@ -125,7 +141,8 @@ class NormalisedSpec(msgspec.Struct, frozen=True):
     @property
     def vector_keys(self) -> set[str]:
         """The resident vectors the request holds while it lives (steering and probes)."""
-        return {s.key for s in self.steer} | {k for p in self.probe for k in p.keys}
+        return {s.key for s in self.steer} | {k for p in self.probe for k in p.keys} | \
+            {s.condition.key for s in self.steer if s.condition is not None}
 
     def to_wire(self) -> dict:
         return msgspec.to_builtins(self, builtin_types=(bytes,))

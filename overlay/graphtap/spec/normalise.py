@@ -9,6 +9,7 @@ import re
 import numpy as np
 
 from graphtap.spec import scores
+from graphtap.spec.condition import condition_entry
 from graphtap.spec.entries import CaptureEntry, NormalisedSpec, PatternEntry, SteerEntry
 from graphtap.spec.registry import VectorRegistry
 from graphtap.spec.schema import HookSpec, Steer, short
@@ -159,10 +160,12 @@ def _steers(spec: HookSpec, shape: ModelShape,
                              f"a position, past 1/16 of the largest {shape.dtype} "
                              f"({dtype_max:g}): the stream would overflow")
         a, lo, hi = steer_bounds(s)
+        positions = rule_of(s.positions, f"hooks.steer[{i}]", shape.max_model_len)
+        condition = None if s.condition is None else condition_entry(
+            s.condition, site, positions, f"hooks.steer[{i}].condition", shape, vectors)
         steers.append(SteerEntry(site.layer, site.kind, raw, vector_key(raw), a, lo, hi,
-                                 rule_of(s.positions, f"hooks.steer[{i}]",
-                                            shape.max_model_len), steer_gain(s)))
-    keys = {s.key for s in steers}
+                                 positions, steer_gain(s), condition))
+    keys = {s.key for s in steers} | {s.condition.key for s in steers if s.condition}
     if len(keys) > shape.max_vectors:
         raise ValueError(f"hooks.steer: {len(keys)} distinct vectors, more than the engine's "
                          f"resident table of {shape.max_vectors} (hook_config.max_vectors)")

@@ -21,8 +21,12 @@ def steering_salt(spec: NormalisedSpec, prompt_len: int = 0) -> str | None:
         return None
     h = hashlib.sha256(b"graphtap-steer-v2")
     for s in spec.steer:
+        c = s.condition  # the gate decides what the KV holds: its whole definition
         h.update(json.dumps([s.layer, s.kind, s.key, s.a, s.lo, s.hi, s.g,
-                             msgspec.to_builtins(s.positions)]).encode())
+                             msgspec.to_builtins(s.positions),
+                             None if c is None else [c.layer, c.kind, c.key, c.threshold,
+                                                     c.unit, c.bias, c.sigmoid, c.below]]
+                            ).encode())
     if any(s.positions in RELATIVE for s in spec.steer):
         h.update(f"prompt_len={prompt_len}".encode())
     return h.hexdigest()[:32]

@@ -74,6 +74,59 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class Condition(BaseModel):
+    """A steer's gate (conditional steering, after IBM's CAST): a score of the residual
+    stream at `site` at the last prompt token, computed on the device; the steer acts
+    only when the score is past `threshold` ("above", or "below" with `compare`).
+    "projection" scores <h, v/|v|>; "probe" scores act(<h, w> + bias). Decided once per
+    request, before any generated token, so a gated steer acts at "generated" positions
+    (or at the last prompt token, at a later site)."""
+
+    model_config = STRICT
+
+    site: str
+    vector: list[float] | str
+    """The condition direction or probe weights: hidden-size values, or a registered name."""
+    threshold: float
+    score: Literal["projection", "probe"] = "projection"
+    compare: Literal["above", "below"] = "above"
+    bias: float = 0.0
+    activation: Literal["none", "sigmoid"] = "none"
+
+    @field_validator("vector", "threshold", "bias", mode="before")
+    @classmethod
+    def _numpy(cls, v: Any):
+        return _plain(v)
+
+    @field_validator("vector")
+    @classmethod
+    def _finite(cls, v: list[float] | str) -> list[float] | str:
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("a vector name must not be empty")
+            return v
+        if not v:
+            raise ValueError("a vector needs at least one value")
+        bad = next((i for i, x in enumerate(v) if not math.isfinite(x)), None)
+        if bad is not None:
+            raise ValueError(f"element {bad} is {v[bad]}: vectors must be finite")
+        return v
+
+    @field_validator("threshold", "bias")
+    @classmethod
+    def _finite_number(cls, x: float) -> float:
+        if not math.isfinite(x):
+            raise ValueError(f"must be finite, got {x}")
+        return x
+
+    @model_validator(mode="after")
+    def _probe_fields(self):
+        if self.score == "projection" and (self.bias != 0.0 or self.activation != "none"):
+            raise ValueError("bias and activation belong to score 'probe' (a projection is "
+                             "<h, v/|v|>)")
+        return self
+
+
 class Steer(BaseModel):
     """One edit at one site: of the residual stream, or of chosen heads' outputs at
     attn.hook_z (the interpretability staple: "scale" with scale 0 ablates a head)."""
@@ -92,6 +145,8 @@ class Steer(BaseModel):
     min: float | None = None
     max: float | None = None
     positions: Any = "all"
+    condition: Condition | None = None
+    """Steer only when the prompt meets it (the gate is data on the device)."""
 
     @field_validator("positions", mode="before")
     @classmethod

@@ -8,7 +8,8 @@ HF decoder layers carry the residual stream whole, so the TransformerLens sites 
   attn.hook_z[L] o_proj's input, per head           (forward pre-hook on o_proj)
 Every steer is applied in list order with graphtap's formula, in float32:
   delta = a*v + (clamp(<h, v_hat>, lo, hi) - <h, v_hat>) * v_hat
-Head edits at z are written plainly instead (scale a head's slice, add to it).
+Head edits at z are written plainly instead (scale a head's slice, add to it). A
+conditional steer acts once its condition, scored at the last prompt token, is met.
 """
 from __future__ import annotations
 
@@ -87,6 +88,39 @@ class _PositionTracker:
         self.next += n
 
 
+def _score(c, row: torch.Tensor) -> bool:
+    """A condition's verdict on one row of the stream (graphtap's formula, float32)."""
+    w = torch.tensor(c.vector, dtype=torch.float32)
+    dot = row.float() @ w
+    score = dot / w.norm() if c.score == "projection" else dot + c.bias
+    if c.activation == "sigmoid":
+        score = torch.sigmoid(score)
+    return bool(score < c.threshold) if c.compare == "below" else bool(score > c.threshold)
+
+
+class _Gates:
+    """Conditional steers: each gate decided at its condition's site from the row of the
+    last prompt token, as it leaves that site's own steering (what graphtap's op sees)."""
+
+    def __init__(self, spec, num_layers: int, prompt_len: int):
+        self.prompt_len = prompt_len
+        self.open: dict[int, bool] = {}
+        self.at: dict[tuple[int, str], list] = {}
+        for i, s in enumerate(spec.steer):
+            if s.condition is not None:
+                site = parse_site(s.condition.site, num_layers)
+                self.at.setdefault((site.layer, site.kind), []).append((i, s.condition))
+
+    def active(self, steers: list) -> list:
+        return [x[:4] for x in steers if x[0].condition is None or self.open.get(x[4])]
+
+    def decide(self, key, stream: torch.Tensor, positions: torch.Tensor) -> None:
+        for i, c in self.at.get(key, ()):
+            hit = (positions == self.prompt_len - 1).nonzero()
+            if len(hit):
+                self.open[i] = _score(c, stream[int(hit[0])])
+
+
 @contextmanager
 def hf_steering(model, hooks: dict, prompt_len: int):
     """Install graphtap-equivalent steering on an HF causal LM for one generate call."""
@@ -94,48 +128,49 @@ def hf_steering(model, hooks: dict, prompt_len: int):
     layers = model.model.layers
     tracker = _PositionTracker()
     handles = [model.register_forward_pre_hook(tracker.pre_hook, with_kwargs=True)]
-    by_site: dict[tuple[int, str], list] = {}
-    for s in spec.steer:
+    gates = _Gates(spec, len(layers), prompt_len)
+    by_site: dict[tuple[int, str], list] = {key: [] for key in gates.at}
+    for i, s in enumerate(spec.steer):
         site = parse_site(s.site, len(layers))
         a, lo, hi = steer_bounds(s)
-        by_site.setdefault((site.layer, site.kind), []).append((s, a, lo, hi))
+        by_site.setdefault((site.layer, site.kind), []).append((s, a, lo, hi, i))
 
-    def edit(x):
-        return apply_steers(x[0], steers, tracker.current, prompt_len).unsqueeze(0)
+    def edit(x, key):
+        out = apply_steers(x, gates.active(by_site[key]), tracker.current, prompt_len)
+        gates.decide(key, out, tracker.current)
+        return out
 
     stash: dict[int, torch.Tensor] = {}
     for (layer, kind), steers in by_site.items():
-        mod = layers[layer]
+        mod, key = layers[layer], (layer, kind)
         if kind == "attn_z":
             attn = mod.self_attn
 
             def o_in(module, args, steers=steers, d=attn.head_dim):
-                z = apply_head_steers(args[0][0], steers, tracker.current, prompt_len, d)
+                z = apply_head_steers(args[0][0], gates.active(steers), tracker.current,
+                                      prompt_len, d)
                 return (z[None], *args[1:])
             handles.append(attn.o_proj.register_forward_pre_hook(o_in))
         elif kind == "resid_pre":
-            def pre(module, args, kwargs, steers=steers):
+            def pre(module, args, kwargs, key=key):
                 if args:
-                    return (apply_steers(args[0][0], steers, tracker.current, prompt_len)[None],
-                            *args[1:]), kwargs
-                kwargs["hidden_states"] = apply_steers(kwargs["hidden_states"][0], steers,
-                                                       tracker.current, prompt_len)[None]
+                    return (edit(args[0][0], key)[None], *args[1:]), kwargs
+                kwargs["hidden_states"] = edit(kwargs["hidden_states"][0], key)[None]
                 return args, kwargs
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         elif kind == "resid_post":
-            def post(module, args, output, steers=steers):
+            def post(module, args, output, key=key):
                 h = output[0] if isinstance(output, tuple) else output
-                h = apply_steers(h[0], steers, tracker.current, prompt_len)[None]
+                h = edit(h[0], key)[None]
                 return (h, *output[1:]) if isinstance(output, tuple) else h
             handles.append(mod.register_forward_hook(post))
         else:  # resid_mid: remember the layer input, then edit the attention output
             def keep(module, args, kwargs, layer=layer):
                 stash[layer] = args[0] if args else kwargs["hidden_states"]
-            def attn(module, args, output, steers=steers, layer=layer):
+            def attn(module, args, output, layer=layer, key=key):
                 out = output[0] if isinstance(output, tuple) else output
                 resid = stash[layer]
-                mid = resid[0] + out[0]
-                new = apply_steers(mid, steers, tracker.current, prompt_len)
+                new = edit(resid[0] + out[0], key)
                 out = (new - resid[0].float()).to(out.dtype)[None]
                 return (out, *output[1:]) if isinstance(output, tuple) else out
             handles.append(mod.register_forward_pre_hook(keep, with_kwargs=True))

@@ -1,14 +1,16 @@
 """Steering: per-request entries in the slot block and the resident vectors. The op
 (ops/steer*.py) reads them with the router's token -> slot map and evaluates position
 rules from each token's actual position, so chunked prefill, preemption and speculative
-decoding need nothing here."""
+decoding need nothing here. A conditional steer's gate is decided by the op itself at
+the condition's site; here it is only cleared, with the rest of a refilled slot."""
 from __future__ import annotations
 
 from graphtap.courier import RequestErrors
 from graphtap.engine.families.vectors import BankFull, VectorBank
 from graphtap.engine.family import FamilyBase
 from graphtap.engine.tables import EngineTables
-from graphtap.spec.entries import NormalisedSpec
+from graphtap.ops.tables import COND_BELOW, COND_SIGMOID, COND_UNIT
+from graphtap.spec.entries import ConditionEntry, NormalisedSpec
 from graphtap.spec.positions import position_bitmap
 from graphtap.spec.sites import SiteTable
 
@@ -31,22 +33,36 @@ class SteerFamily(FamilyBase):
                     spec: NormalisedSpec) -> None:
         self.remove_request(req_id)
         f, host = self.fields, self.slots.host_view
-        self.slots.reset(slot, [f.site, f.vec, f.coef, f.pos])
-        site, vec, coef, pos = (host(x)[slot] for x in (f.site, f.vec, f.coef, f.pos))
+        self.slots.reset(slot, f.all)  # a refilled slot's gates start undecided (off)
+        wanted = [(s.key, s.vector) for s in spec.steer] + \
+            [(s.condition.key, s.condition.vector) for s in spec.steer if s.condition]
         try:
-            rows = self.bank.acquire_all([(s.key, s.vector) for s in spec.steer])
+            rows = self.bank.acquire_all(wanted)
         except BankFull as e:  # refuse the request, never raise: the engine would die
             self._refused[req_id] = f"hooks.steer: {e}: this request ran unsteered"
             return
-        keys = [s.key for s in spec.steer]
+        site, vec, coef, pos = (host(x)[slot] for x in (f.site, f.vec, f.coef, f.pos))
+        cond_rows = iter(rows[len(spec.steer):])
         for i, s in enumerate(spec.steer):
             site[i] = self.sites.id_of(s.layer, s.kind)
             vec[i] = rows[i]
             coef[i] = (s.a, s.lo, s.hi, s.g)
             pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
-        if keys:
-            self._keys[req_id] = keys
+            if s.condition is not None:
+                self._write_condition(slot, i, s.condition, next(cond_rows), prompt_len)
+        if wanted:
+            self._keys[req_id] = [key for key, _ in wanted]
             self._slot_of[req_id] = slot
+
+    def _write_condition(self, slot: int, i: int, c: ConditionEntry, row: int,
+                         prompt_len: int) -> None:
+        f, host = self.fields, self.slots.host_view
+        host(f.cond_site)[slot, i] = self.sites.id_of(c.layer, c.kind)
+        host(f.cond_vec)[slot, i] = row
+        host(f.cond_mode)[slot, i] = COND_UNIT * c.unit + COND_SIGMOID * c.sigmoid + \
+            COND_BELOW * c.below
+        host(f.cond_coef)[slot, i] = (c.bias, c.threshold)
+        host(f.cond_pos)[slot, i] = prompt_len - 1
 
     def remove_request(self, req_id: str) -> None:
         self._refused.pop(req_id, None)
@@ -54,8 +70,7 @@ class SteerFamily(FamilyBase):
             self.bank.release(key)
         slot = self._slot_of.pop(req_id, None)
         if slot is not None:  # inactive again (written with the next staged writes)
-            f = self.fields
-            self.slots.reset(slot, [f.site, f.vec, f.coef, f.pos])
+            self.slots.reset(slot, self.fields.all)
 
     def stats(self) -> dict:
         return {"requests": len(self._keys), "vectors_held": self.bank.held(),
