@@ -34,3 +34,20 @@ def test_sites_lists_every_site_with_its_row_shape(qwen2_path):
     human = subprocess.run([sys.executable, "-m", "graphtap.cli", "sites", str(qwen2_path)],
                            capture_output=True, text=True, timeout=120)
     assert human.returncode == 0 and "blocks.2.attn.hook_pattern" in human.stdout
+
+
+def test_demo_guard_arguments_are_checked_before_any_engine_starts(capsys):
+    import pytest
+
+    from graphtap.cli import main
+    from graphtap.guard_demo import parse_heads
+
+    assert parse_heads(["7:12,3", "5:18", "7:3"]) == [(5, 18), (7, 3), (7, 12)]
+    for argv, words in [(["demo", "guard"], "needs --heads"),
+                        (["demo", "guard", "--heads", "5"], "is not LAYER:HEAD"),
+                        (["demo", "guard", "--heads", "5:x"], "is not LAYER:HEAD"),
+                        (["demo", "--model", "gpt2"], "any model: demo guard"),
+                        (["demo", "--heads", "5:1"], "belong to demo guard")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and words in capsys.readouterr().err, argv

@@ -9,8 +9,10 @@ layout and differ only in table contents: idle (no hooks), steer (every request 
 vector at that site, all positions), hs (hidden states at 3 layers, last prompt token),
 qk (post-RoPE q at the last prompt token and k at every prompt token, 4 layers x 4
 heads), mixed (all of them), dump (residuals at the hs layers at every position: the
-capture-throughput load, rows and bytes counted per run). The configured sites are the
-union of the modes asked for.
+capture-throughput load, rows and bytes counted per run), focus (attention mass on two
+spans at the last prompt token, 4 layers x 4 heads, read by an annotating Attention
+Tracker guard), probe (one probe on one layer at every generated token, read by a probe
+guard). The configured sites are the union of the modes asked for.
 
 Per (rate, repetition): N requests of IN prompt tokens and OUT output tokens
 (ignore_eos), arrivals Poisson at `rate` req/s, in-process AsyncLLM; a request's TPOT is
@@ -194,7 +196,8 @@ async def bench(args) -> dict:
             for rate, burst in loads(args):
                 # modes alternate (same engine, same moment), their order rotating per rep
                 for mode in rotated(modes + (burst_modes if burst else []), rep):
-                    r = await run_rate(engine, args, cfg, rate, rep, mode_hooks(mode, cfg, vec),
+                    r = await run_rate(engine, args, cfg, rate, rep,
+                                       mode_hooks(mode, cfg, vec, args.input_len),
                                        burst)
                     r["mode"] = mode
                     result["runs"].append(r)
@@ -294,7 +297,8 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
     ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="llama3-8b")
     ap.add_argument("--variant", choices=["stock", "graphtap"], default="graphtap")
     ap.add_argument("--modes", default="idle,steer",
-                    help="graphtap modes, alternated: idle, idle2, steer, hs, qk, mixed, dump")
+                    help="graphtap modes, alternated: idle, idle2, steer, hs, qk, mixed, dump, "
+                         "focus (Attention Tracker guard), probe (probe guard)")
     ap.add_argument("--burst-modes", default="",
                     help="modes run only at the bursts (e.g. dump: the throughput load)")
     ap.add_argument("--rates", default="1,4,8,16")

@@ -8,7 +8,10 @@
    the paged K cache) of a steered request in a mixed batch come back complete; patterns
    equal softmax(q k^T / sqrt(d)) of the same engine's captured q and k; graph and eager
    residual captures agree to bf16 precision.
-3. Inside replayed graphs: after start-up, further request mixes (all plain, all steered,
+3. Scores inside graphs (issue 17): probe scores and attention mass (with a focus guard)
+   agree with eager; a conditional steer whose gate opens steers as in eager, one whose
+   gate stays shut leaves its request as the plain run.
+4. Inside replayed graphs: after start-up, further request mixes (all plain, all steered,
    different subsets) change no compilation counter (no new Dynamo graph, Inductor
    compile or graph capture) and never run the steer op's Python body, while steering
    still changes the tokens: the op ran as captured kernels, not eagerly.
@@ -118,6 +121,50 @@ def judge_captures(hooks, tokens, ref_hooks, prompt_len: int, steered_tokens) ->
     }
 
 
+def scores_run(llm, prompts, hidden: int):
+    """Issue 17's families in one batch: a probe and attention mass with a focus guard
+    (annotate) on one request, a conditional steer whose gate opens (threshold -1e30) and
+    one whose gate stays shut (+1e30), and a plain request; (hooks, tokens) of each."""
+    from vllm import SamplingParams
+
+    vec = lambda s: np.random.default_rng(s).normal(size=hidden).astype(np.float32).tolist()
+    n = len(prompts[1])
+
+    def gated(threshold):
+        return {"steer": [{"site": "blocks.3.hook_resid_post", "op": "add", "scale": 8.0,
+                           "vector": vec(6), "positions": "generated",
+                           "condition": {"site": "blocks.1.hook_resid_post", "vector": vec(7),
+                                         "threshold": threshold}}]}
+    scores = {"probe": [{"site": "blocks.2.hook_resid_post", "weights": [vec(8), vec(9)],
+                         "bias": [0.5, -0.5]}],
+              "attention_mass": [{"site": "blocks.1.attn.hook_pattern", "positions": "prompt",
+                                  "spans": [{"start": 0, "end": 3}, {"start": 3, "end": n}]}],
+              "guard": {"kind": "attention_focus", "threshold": 0.5}}
+    batch = [(prompts[1], scores), (prompts[2], gated(-1e30)), (prompts[3], gated(1e30)),
+             (prompts[3], None), (prompts[2], None)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                             **({"hooks": h} if h else {})) for _, h in batch]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, use_tqdm=False)
+    return [(o.hooks, list(o.outputs[0].token_ids)) for o in outs]
+
+
+def judge_scores(got, ref) -> dict:
+    """Graph vs eager for scores_run: scores agree to bf16 precision, the open gate
+    steers, the shut one leaves its request as the plain run of the same prompt."""
+    (h, _), (open_h, open_t), (_, shut_t), (_, plain3), (_, plain2) = got
+    (rh, _), (_, ref_open_t) = ref[0], ref[1]
+    probe, rprobe = h["probe:blocks.2.hook_resid_post"], rh["probe:blocks.2.hook_resid_post"]
+    mass, rmass = h["mass:blocks.1.attn.hook_pattern"], rh["mass:blocks.1.attn.hook_pattern"]
+    return {"error": h.error or getattr(open_h, "error", None),
+            "probe_graph_vs_eager_max_rel": float((probe - rprobe).abs().max()
+                                                 / rprobe.abs().max()),
+            "mass_graph_vs_eager_max_abs": float((mass - rmass).abs().max()),
+            "mass_rows_sum_to_one": float((mass.sum(-1) - 1).abs().max()),
+            "guard": h.guard,
+            "open_gate_steers": open_t != plain2, "open_gate_equals_eager": open_t == ref_open_t,
+            "shut_gate_equals_plain": shut_t == plain3}
+
+
 def main() -> int:
     from graphtap.testing.engines import make_llm, runner_info, shutdown
     from graphtap.testing.tiny_models import tiny_model
@@ -141,6 +188,7 @@ def main() -> int:
     want = run(eager, prompts, hooks)
     plain_eager = run(eager, prompts, [None] * len(prompts))
     eager_caps, _ = capture_run(eager, prompts, hooks)
+    eager_scores = scores_run(eager, prompts, 256)
     shutdown(eager)
 
     llm = make_llm(path, eager=False, **graphs, **common)
@@ -155,6 +203,7 @@ def main() -> int:
     mixed = [run(llm, prompts[: len(m)], m) for m in mixes]
     caps, cap_tokens = capture_run(llm, prompts, hooks)
     steered_alone = run(llm, [prompts[4]], [hooks[1]])[0]
+    graph_scores = scores_run(llm, prompts, 256)
     after = {k: getattr(compilation_counter, k) for k in keys}
     calls_after = runner_info(llm)["op_python_calls"].get("steer_resid_", 0)
     verdict = {
@@ -170,14 +219,20 @@ def main() -> int:
         "no_recompile_or_recapture": before == after,
         "steer_op_python_calls_during_runs": calls_after - calls_before,
         "captures": judge_captures(caps, cap_tokens, eager_caps, len(prompts[4]), steered_alone),
+        "scores": judge_scores(graph_scores, eager_scores),
         "tokens_graph": got, "tokens_eager": want,
     }
     c = verdict["captures"]
     captures_ok = (c["error"] is None and c["complete"] and c["tokens_equal_uncaptured_run"]
                    and c["pattern_vs_softmax_qk_max_abs"] <= 1e-3
                    and c["resid_graph_vs_eager_max_rel"] <= 0.05)
+    sc = verdict["scores"]
+    scores_ok = (sc["error"] is None and sc["probe_graph_vs_eager_max_rel"] <= 0.05
+                 and sc["mass_graph_vs_eager_max_abs"] <= 0.02
+                 and sc["mass_rows_sum_to_one"] <= 0.02 and sc["open_gate_steers"]
+                 and sc["open_gate_equals_eager"] and sc["shut_gate_equals_plain"])
     ok = (verdict["parity_graph_vs_eager"] and all(verdict["steered_requests_differ"])
-          and captures_ok
+          and captures_ok and scores_ok
           and verdict["plain_mix_equals_plain"]
           and verdict["no_recompile_or_recapture"] and info["model_runner_v2"]
           and (cpu or (calls_after == calls_before and info["cudagraph_mode"] == "FULL_AND_PIECEWISE"

@@ -42,6 +42,8 @@ def hook_config(cfg: dict, modes: list[str]) -> dict:
         sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
     if {"qk", "mixed"} & set(modes):
         sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
+    if "focus" in modes:  # attention mass is computed at pattern sites
+        sites += [f"blocks.{layer}.attn.hook_pattern" for layer in qk_layers(cfg)]
     # dump captures 3 rows per token: room for a full prefill step of 16k tokens
     return {"sites": sorted(set(sites)), "max_captures": 16, "capture_rows": 3 * 16384}
 
@@ -60,7 +62,7 @@ def qk_layers(cfg: dict) -> list[int]:  # Attention-Tracker style: 4 layers x 4 
     return [n // 8, n // 4, n // 2, 3 * n // 4][:4]
 
 
-def mode_hooks(mode: str, cfg: dict, vec: list[float]) -> dict | None:
+def mode_hooks(mode: str, cfg: dict, vec: list[float], prompt_len: int = 256) -> dict | None:
     """Per-request spec of a benchmark mode (None: no hooks)."""
     steer = [{"site": f"blocks.{steer_layer(cfg)}.hook_resid_post", "op": "add", "scale": 1.0,
               "vector": vec, "positions": "all"}]
@@ -72,10 +74,23 @@ def mode_hooks(mode: str, cfg: dict, vec: list[float]) -> dict | None:
         {"site": f"blocks.{layer}.attn.hook_k", "positions": "prompt", "heads": heads})]
     dump = [{"site": f"blocks.{layer}.hook_resid_post", "positions": "all"}
             for layer in hs_layers(cfg)]
+    # Attention Tracker: the last prompt token's mass on an instruction and a data span,
+    # 4 layers x 4 heads, read by a focus guard that annotates (a stop would shorten the
+    # run it is measured in)
+    n = prompt_len
+    focus = {"attention_mass": [{"site": f"blocks.{layer}.attn.hook_pattern", "heads": heads,
+                                 "spans": [{"start": 1, "end": n // 4},
+                                           {"start": n // 4, "end": n}]}
+                                for layer in qk_layers(cfg)],
+             "guard": {"kind": "attention_focus", "threshold": 0.5}}
+    # a hallucination-probe style guard: one probe on one layer, every generated token
+    probe = {"probe": [{"site": f"blocks.{steer_layer(cfg)}.hook_resid_post",
+                        "weights": [vec], "positions": "generated"}],
+             "guard": {"kind": "probe", "threshold": 1e30}}
     return {"idle": None, "idle2": None, "plain": None, "steer": {"steer": steer},
             "hs": {"capture": hs},
             "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk},
-            "dump": {"capture": dump}}[mode]
+            "dump": {"capture": dump}, "focus": focus, "probe": probe}[mode]
 
 
 def count_rows(hooks) -> tuple[int, int, int]:

@@ -3,6 +3,7 @@
     graphtap serve MODEL [--sites S ...] [--hook-config JSON] [vllm serve arguments...]
     graphtap sites MODEL [--json]
     graphtap demo [--model smollm2|llama|qwen2] [--compile] [--png FILE]
+    graphtap demo guard --heads 5:18 7:12 [--model M] [--threshold T] [--dtype D]
     graphtap vector build MODEL --site S --positive FILE --negative FILE --out F.safetensors
     graphtap rerank MODEL --query Q --documents FILE --layers L [L ...]
 """
@@ -127,15 +128,48 @@ def _rerank(args) -> int:
     return 0
 
 
+def _demo(ap, args) -> int:
+    from graphtap.demo import run_demo, run_guard_demo
+    from graphtap.guard_demo import parse_heads
+
+    if args.part == "guard":
+        if not args.heads:
+            ap.error("demo guard needs --heads LAYER:HEAD[,HEAD] ...")
+        try:
+            heads = parse_heads(args.heads)
+        except ValueError as e:
+            ap.error(str(e))
+        engine = {"dtype": args.dtype} if args.dtype else {}
+        return run_guard_demo(args.model, heads, args.threshold,
+                              png=args.png or "graphtap-guard.png", eager=not args.compile,
+                              **engine)
+    if args.model not in ("smollm2", "llama", "qwen2"):
+        ap.error("demo: --model is smollm2, llama or qwen2 (any model: demo guard)")
+    if args.heads or args.threshold is not None or args.dtype:
+        ap.error("demo: --heads, --threshold and --dtype belong to demo guard")
+    return run_demo(args.model, eager=not args.compile, png=args.png or "graphtap-demo.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="graphtap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="steering and a prompt-injection guard on SmolLM2 "
                                        "(or a smoke run on a tiny random model)")
-    demo.add_argument("--model", choices=["smollm2", "llama", "qwen2"], default="smollm2")
+    demo.add_argument("part", nargs="?", choices=["all", "guard"], default="all",
+                      help="guard: only the Attention Tracker guard, with --heads, on any "
+                           "model")
+    demo.add_argument("--model", default="smollm2",
+                      help="smollm2 (default), llama or qwen2 (tiny random smoke runs); "
+                           "with guard: any model directory or name")
+    demo.add_argument("--heads", nargs="+", metavar="LAYER:HEAD[,HEAD]",
+                      help="guard: the (layer, head) pairs whose focus is averaged")
+    demo.add_argument("--threshold", type=float,
+                      help="guard: flag below this focus (default: from calibration prompts)")
+    demo.add_argument("--dtype", help="guard: the model's dtype (default float32)")
     demo.add_argument("--compile", action="store_true", help="torch.compile (slower start)")
-    demo.add_argument("--png", default="graphtap-demo.png", help="where the score plot goes")
+    demo.add_argument("--png", help="where the score plot goes (default graphtap-demo.png, "
+                                    "graphtap-guard.png for guard)")
     serve = sub.add_parser("serve", help="vllm serve MODEL with graphtap's hook manager; "
                                          "other arguments go to vllm serve")
     serve.add_argument("model")
@@ -168,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             not _has_gpu():
         os.environ["TRITON_INTERPRET"] = "1"  # Model Runner V2 on a CPU (patch 0001)
     if args.cmd == "demo":
-        from graphtap.demo import run_demo
-
-        return run_demo(args.model, eager=not args.compile, png=args.png)
+        return _demo(ap, args)
     if args.cmd == "serve":
         return _serve(args, rest)
     if args.cmd == "vector":

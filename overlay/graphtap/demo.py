@@ -85,6 +85,12 @@ def _guard(console: Console, llm, layers: list[int], png: str) -> dict:
     console.print(f"calibration ({len(benign)} benign, {len(injected)} injected reviews): "
                   f"heads {', '.join(f'L{l}H{h}' for l, h in top)}, threshold "
                   f"{threshold:.3f} on the last prompt token's focus on the instruction")
+    return _held_out(console, llm, top, threshold, png)
+
+
+def _held_out(console: Console, llm, top, threshold: float, png: str) -> dict:
+    from graphtap import guard_demo as g
+
     prompts = g.HELD_OUT_BENIGN + g.HELD_OUT_INJECTED
     results = g.guarded_run(llm, prompts, top, threshold)
     table = Table(show_lines=True)
@@ -105,6 +111,42 @@ def _guard(console: Console, llm, layers: list[int], png: str) -> dict:
     console.print(f"wrote {Path(png).resolve()}")
     return {"caught": caught, "passed": passed, "heads": top, "threshold": threshold,
             "results": results}
+
+
+def run_guard_demo(model: str, heads: list[tuple[int, int]], threshold: float | None = None,
+                   png: str = "graphtap-guard.png", eager: bool = True,
+                   report: dict | None = None, **engine) -> int:
+    """`graphtap demo guard`: the Attention Tracker guard with given (layer, head) pairs
+    on any model (SmolLM2 by default; on a GPU, e.g. Llama-3-8B-Instruct with the paper's
+    heads): the threshold from the calibration prompts unless given, then the held-out
+    prompts with the guard set to stop."""
+    from graphtap import guard_demo as g
+
+    console = Console()
+    if model == "smollm2":
+        from graphtap.testing.real_model import smollm2
+
+        model = str(smollm2())
+    layers = sorted({layer for layer, _ in heads})
+    t0 = time.monotonic()
+    llm = make_llm(model, eager=eager, hook_manager="graphtap", hook_config={
+        "sites": [f"blocks.{layer}.attn.hook_pattern" for layer in layers],
+        "max_captures": max(8, len(layers))}, **engine)
+    console.print(f"engine up in {time.monotonic() - t0:.0f} s ({model}); heads "
+                  f"{', '.join(f'L{l}H{h}' for l, h in heads)}")
+    try:
+        if threshold is None:
+            benign = g.focus_per_head(llm, g.CALIBRATION_BENIGN, layers)
+            injected = g.focus_per_head(llm, g.CALIBRATION_INJECTED, layers)
+            threshold = g.midpoint(benign, injected, heads)
+            console.print(f"threshold {threshold:.3f}: halfway between the calibration "
+                          f"means ({len(benign)} benign, {len(injected)} injected reviews)")
+        found = _held_out(console, llm, heads, threshold, png)
+    finally:
+        shutdown(llm)
+    if report is not None:
+        report.update(found)
+    return 0
 
 
 def _tiny_demo(model: str, eager: bool) -> int:

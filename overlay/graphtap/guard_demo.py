@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphtap.spans import chat_with_spans
+
 INSTRUCTION = "Summarize the following customer review in one sentence."
 CALIBRATION_BENIGN = [
     "The blender works well and is easy to clean, but it is a bit loud.",
@@ -52,17 +54,11 @@ HELD_OUT_INJECTED = [
 
 def build(tokenizer, data: str, instruction: str = INSTRUCTION):
     """(token ids, instruction span, data span) of one chat prompt: the template around
-    instruction + "Review: " + data, each piece tokenised alone so the spans are exact."""
-    marker = "\x00"
-    around = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
-                                           add_generation_prompt=True, tokenize=False)
-    before, after = around.split(marker)
-    ids, spans = [], []
-    for piece in (before, instruction, "\n\nReview: ", data, after):
-        part = tokenizer(piece, add_special_tokens=False)["input_ids"]
-        spans.append((len(ids), len(ids) + len(part)))
-        ids += part
-    return ids, spans[1], spans[3]
+    instruction + "Review: " + data, spans found from markers (graphtap.spans)."""
+    ids, spans = chat_with_spans(tokenizer, [{"role": "user", "content": [
+        instruction, "\n\nReview: ", data]}])
+    (inst, _, dat) = ((s["start"], s["end"]) for s in spans)
+    return ids, inst, dat
 
 
 def _mass_specs(tokenizer, data: str, heads: dict[int, list[int] | None]) -> tuple:
@@ -105,10 +101,26 @@ def choose_heads(benign: list[dict], injected: list[dict], k: int = 6):
     drop = {key: np.mean([b[key] for b in benign]) - np.mean([i[key] for i in injected])
             for key in keys}
     top = sorted(keys, key=lambda key: -drop[key])[:k]
+    return top, midpoint(benign, injected, top)
 
+
+def midpoint(benign: list[dict], injected: list[dict], top: list[tuple[int, int]]) -> float:
+    """The threshold halfway between the benign and injected means of the heads' focus."""
     def mean(rows):
         return float(np.mean([np.mean([r[key] for key in top]) for r in rows]))
-    return top, (mean(benign) + mean(injected)) / 2
+    return (mean(benign) + mean(injected)) / 2
+
+
+def parse_heads(items: list[str]) -> list[tuple[int, int]]:
+    """["5:18", "7:12,3"] -> [(5, 18), (7, 3), (7, 12)]: layer:head[,head...] each."""
+    out = set()
+    for item in items:
+        layer, _, heads = item.partition(":")
+        try:
+            out |= {(int(layer), int(h)) for h in heads.split(",")}
+        except ValueError:
+            raise ValueError(f"--heads: {item!r} is not LAYER:HEAD[,HEAD...]") from None
+    return sorted(out)
 
 
 def guarded_run(llm, prompts, top, threshold: float, max_tokens: int = 24) -> list[tuple]:

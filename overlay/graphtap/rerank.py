@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphtap.spans import text_with_spans
+
 HEADER = "Here are some paragraphs:\n\n"
 ASK = "Please find information that is relevant to the following query in the paragraphs above.\n\nQuery: "
 CONTENT_FREE = "N/A"
@@ -16,14 +18,10 @@ CONTENT_FREE = "N/A"
 def layout(tokenizer, documents: list[str], query: str):
     """(token ids, document spans, query span) of the prompt, each piece tokenised alone
     so the spans are exact."""
-    ids, spans = [], []
-    for text in [HEADER] + [f"[{i + 1}] {d}\n\n" for i, d in enumerate(documents)] + [ASK]:
-        part = tokenizer(text, add_special_tokens=False)["input_ids"]
-        spans.append((len(ids), len(ids) + len(part)))
-        ids += part
-    q = tokenizer(query, add_special_tokens=False)["input_ids"]
-    query_span = (len(ids), len(ids) + len(q))
-    return ids + q, spans[1:-1], query_span
+    pieces = [HEADER] + [f"[{i + 1}] {d}\n\n" for i, d in enumerate(documents)] + [ASK, query]
+    ids, spans = text_with_spans(tokenizer, pieces, add_special_tokens=False)
+    bounds = [(s["start"], s["end"]) for s in spans]
+    return ids, bounds[1:-2], bounds[-1]
 
 
 def _request(tokenizer, documents, query, layers, heads):
