@@ -32,6 +32,18 @@ def _check(group: dict) -> str:
             ("captures complete, no error", c["complete"] and c["error"] is None),
             ("pattern vs softmax(qk^T), max abs", f"{c['pattern_vs_softmax_qk_max_abs']:.1e}"),
             ("residual rows graph vs eager, max rel", f"{c['resid_graph_vs_eager_max_rel']:.2%}")]
+    sc = d.get("scores")
+    if sc is not None:  # issue 17's families, from session 11 on
+        rows += [("probe scores graph vs eager, max rel",
+                  f"{sc['probe_graph_vs_eager_max_rel']:.2%}"),
+                 ("attention mass graph vs eager, max abs",
+                  f"{sc['mass_graph_vs_eager_max_abs']:.1e}"),
+                 ("attention mass over spans covering every key, |sum - 1|",
+                  f"{sc['mass_rows_sum_to_one']:.1e}"),
+                 ("focus guard verdict delivered", sc["guard"] is not None),
+                 ("open conditional gate steers, as in eager",
+                  sc["open_gate_steers"] and sc["open_gate_equals_eager"]),
+                 ("shut conditional gate: tokens of the plain run", sc["shut_gate_equals_plain"])]
     return "| check | result |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
@@ -109,7 +121,23 @@ def _kernels(group: dict) -> str:
             f"| verdict | {'ok' if d['ok'] else 'FAILED'} on {d['device']} |\n")
 
 
-RENDER = {"check": _check, "tpot": _tpot, "capture": _capture, "profile": _profile,
+def _demo(group: dict) -> str:
+    d = json.loads((RESULTS / group["files"][0]).read_text())
+    rows = [("command", f"`{d['command']}`"), ("model", d["model"]),
+            ("runner", f"{d['runner']} on {d['gpu']}"),
+            ("engine start", f"{d['engine_start_s']:.0f} s"),
+            ("heads (layer, head)", ", ".join(f"L{l}H{h}" for l, h in d["heads"])),
+            ("threshold (calibration midpoint)", f"{d['threshold']:.3f}")]
+    for kind in ("benign", "injected"):
+        scores = [r["focus"] for r in d["held_out"] if r["kind"] == kind]
+        rows.append((f"held-out {kind} focus", ", ".join(f"{s:.3f}" for s in scores)))
+    n = {k: sum(r["kind"] == k for r in d["held_out"]) for k in ("benign", "injected")}
+    rows += [("injected stopped (finish_reason guard)", f"{d['caught']}/{n['injected']}"),
+             ("benign let through", f"{d['passed']}/{n['benign']}")]
+    return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+
+
+RENDER = {"demo": _demo, "check": _check, "tpot": _tpot, "capture": _capture, "profile": _profile,
           "soak": _soak, "kernels": _kernels}
 
 

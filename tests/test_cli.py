@@ -51,3 +51,27 @@ def test_demo_guard_arguments_are_checked_before_any_engine_starts(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+def test_gpu_is_detected_without_poisoning_fork(monkeypatch):
+    """On the H200, `graphtap demo guard` died at engine start ("Cannot re-initialize
+    CUDA in forked subprocess"): the CLI had asked torch.cuda.is_available() through the
+    CUDA runtime, and vLLM then forked its engine core. Asked through NVML instead, and
+    nowhere else in the package."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    import graphtap
+    from graphtap.devices import NVML_CHECK, has_gpu
+
+    seen = []
+    monkeypatch.delenv(NVML_CHECK, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: seen.append(
+        __import__("os").environ.get(NVML_CHECK)) or True)
+    assert has_gpu() and seen == ["1"] and NVML_CHECK not in __import__("os").environ
+    root = Path(graphtap.__file__).parent
+    callers = [p.relative_to(root).as_posix() for p in root.rglob("*.py")
+               if re.search(r"cuda\.is_available\(", p.read_text())]
+    assert callers == ["devices.py"], callers

@@ -23,7 +23,9 @@ ALLOWED = {
     "client": {"outputs", "wire"},
     "vectors": {"spec"},
     "analyzers": set(),
-    "rerank": set(),
+    "spans": set(),
+    "devices": set(),
+    "rerank": {"spans"},
 }
 
 

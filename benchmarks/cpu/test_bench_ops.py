@@ -187,3 +187,26 @@ def test_spec_validation(benchmark, spec):
 
     out = benchmark(admit)
     assert isinstance(out, ValueError) == spec.startswith("junk")
+
+
+@pytest.mark.parametrize("reqs", [16, 64])
+def test_probe_guard_verdicts(benchmark, reqs):
+    """A probe guard's per-step work in the worker (courier/guard.py): one decode step of
+    `reqs` guarded requests, one probe row each. It runs on the output thread, which
+    shares the GIL with the next step's setup: its cost per request per step shows in
+    TPOT (the probe guard's +1 to +3 % on the H200 came with ~24 us a request here when
+    it was written in torch calls; numpy with a one-row fast path is ~4 us)."""
+    from graphtap.courier.chunks import positions_key
+    from graphtap.courier.guard import apply_guards
+    from graphtap.spec.entries import GuardEntry
+
+    name = "probe:blocks.16.hook_resid_post"
+    guard = GuardEntry(kind="probe", threshold=1e30, stop=False, sources=(name,))
+    guards = {f"r{i}": (guard, 256) for i in range(reqs)}
+
+    def step():
+        return {f"r{i}": {name: torch.randn(1, 1), positions_key(name): torch.tensor([300 + i])}
+                for i in range(reqs)}
+
+    out = benchmark.pedantic(apply_guards, setup=lambda: ((step(), guards), {}), rounds=200)
+    assert out is None

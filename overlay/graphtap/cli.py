@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from graphtap.devices import has_gpu
 from graphtap.runner_info import WORKER_EXTENSION
 
 
@@ -34,19 +35,10 @@ def serve_argv(model: str, sites: list[str] | None, hook_config: str | None,
 def _serve(args, rest: list[str]) -> int:
     argv = serve_argv(args.model, args.sites, args.hook_config, rest)
     env = dict(os.environ)
-    if "TRITON_INTERPRET" not in env and not _has_gpu():
+    if "TRITON_INTERPRET" not in env and not has_gpu():
         env["TRITON_INTERPRET"] = "1"  # Model Runner V2's kernels on a CPU (patch 0001)
     os.execvpe(argv[0], argv, env)
     return 1
-
-
-def _has_gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 def _sites(args) -> int:
@@ -199,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd != "serve" and rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd in ("demo", "vector", "rerank") and "TRITON_INTERPRET" not in os.environ and \
-            not _has_gpu():
+            not has_gpu():
         os.environ["TRITON_INTERPRET"] = "1"  # Model Runner V2 on a CPU (patch 0001)
     if args.cmd == "demo":
         return _demo(ap, args)

@@ -5,14 +5,13 @@ import gc
 import os
 from pathlib import Path
 
+from graphtap.devices import has_gpu
 from graphtap.runner_info import WORKER_EXTENSION
 
 
 def _use_triton_interpreter() -> bool:
     """Only without a GPU: on one, the interpreter would run every kernel on the host."""
-    import torch
-
-    return not torch.cuda.is_available()
+    return not has_gpu()
 
 
 # Must be set before vLLM (and so Triton) is imported anywhere in the process, and it is
