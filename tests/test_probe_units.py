@@ -51,6 +51,36 @@ def test_invalid_probes_name_the_field(probe, field, words):
     assert str(e.value).startswith(field) and words in str(e.value), str(e.value)
 
 
+def test_probe_weights_from_a_safetensors_file(tmp_path):
+    """A probe saved as safetensors (weight [P, hidden], bias, activation): offline its
+    fields go into the entry (load_probe); in a vectors_dir it registers by its stem and
+    `"weights": name` takes its rows, bias and activation (the entry's own win)."""
+    from graphtap.spec import VectorRegistry
+    from graphtap.vectors import load_probe, save_probe
+
+    weight, bias = np.array([w(0), w(1)]), [0.5, -1.0]
+    save_probe(tmp_path / "truth.safetensors", weight, bias, "sigmoid", {"site": SITE})
+    fields = load_probe(tmp_path / "truth.safetensors")
+    assert fields == {"weights": weight.tolist(), "bias": bias, "activation": "sigmoid"}
+    inline = normalise(parse_spec({"probe": [{"site": SITE, **fields}]}), SHAPE).probe[0]
+    reg = VectorRegistry(H, 8)
+    assert reg.load_dir(str(tmp_path)) == 1
+    assert reg.list() == [{"name": "truth", "probe": 2, "dim": H, "activation": "sigmoid"}]
+    named = normalise(parse_spec({"probe": [{"site": SITE, "weights": "truth"}]}), SHAPE,
+                      reg).probe[0]
+    assert (named.vectors, named.bias, named.sigmoid) == (inline.vectors, inline.bias, True)
+    own = normalise(parse_spec({"probe": [{"site": SITE, "weights": "truth", "bias": [0, 0],
+                                           "activation": "none"}]}), SHAPE, reg).probe[0]
+    assert own.bias == (0.0, 0.0) and not own.sigmoid
+    for probe, words in [({"weights": "nope"}, "no registered probe"),
+                         ({"weights": "truth", "bias": [1.0]}, "1 values for the 2 rows")]:
+        with pytest.raises(ValueError, match=words):
+            normalise(parse_spec({"probe": [{"site": SITE, **probe}]}), SHAPE, reg)
+    save_probe(tmp_path / "wide.safetensors", np.ones((2, H + 1)))
+    with pytest.raises(ValueError, match="wide.safetensors: vector: shape"):
+        VectorRegistry(H, 8).load_dir(str(tmp_path))
+
+
 def test_probe_limits():
     two = {"probe": [{"site": SITE, "weights": [w(0)]}, {"site": SITE, "weights": [w(1)]}]}
     with pytest.raises(ValueError, match=r"hooks.probe\[1\].site: .* appears twice"):

@@ -59,6 +59,36 @@ class ContrastVector:
                    float(meta.pop("negative_projection")), meta)
 
 
+def save_probe(path, weight, bias=None, activation: str = "none",
+               metadata: dict | None = None) -> None:
+    """A linear probe as a safetensors file: "weight" [P, hidden] and "bias" [P] float32,
+    the activation and any metadata as strings. In a vectors_dir it registers as the
+    probe named by its stem (`"weights": "<stem>"` in a probe entry)."""
+    from safetensors.numpy import save_file
+
+    weight = np.atleast_2d(np.asarray(weight, dtype=np.float32))
+    bias = np.zeros(len(weight), np.float32) if bias is None else \
+        np.asarray(bias, dtype=np.float32).reshape(-1)
+    save_file({"weight": weight, "bias": bias}, str(path),
+              metadata={**{k: str(v) for k, v in (metadata or {}).items()},
+                        "activation": activation})
+
+
+def load_probe(path) -> dict:
+    """A probe file as the fields of a probe entry (weights, bias, activation):
+    `{"probe": [{"site": ..., **load_probe("truth.safetensors")}]}`."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        weight = f.get_tensor("weight")
+        bias = f.get_tensor("bias") if "bias" in f.keys() else np.zeros(len(weight), np.float32)
+        activation = (f.metadata() or {}).get("activation", "none")
+    if weight.ndim != 2 or bias.shape != (weight.shape[0],):
+        raise ValueError(f"{path}: a probe file holds weight [P, hidden] and bias [P]")
+    return {"weights": weight.astype(np.float32).tolist(),
+            "bias": bias.astype(np.float32).tolist(), "activation": activation}
+
+
 def prompt_hash(positive, negative) -> str:
     return hashlib.sha256(json.dumps([positive, negative]).encode()).hexdigest()[:16]
 

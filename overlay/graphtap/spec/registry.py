@@ -31,12 +31,30 @@ class NamedVector:
         return {"name": self.name, "dim": self.dim, "norm": self.norm, "sha256": self.sha256}
 
 
+@dataclass(frozen=True)
+class NamedProbe:
+    """A registered linear probe (a vectors_dir file holding a 2-D "weight" [P, hidden],
+    optionally "bias" [P] and an "activation" in its metadata): `"weights": name` in a
+    probe entry takes its rows, bias and activation."""
+
+    name: str
+    rows: tuple[NamedVector, ...]
+    bias: tuple[float, ...]
+    activation: str  # "none" | "sigmoid"
+
+    def describe(self) -> dict:
+        return {"name": self.name, "probe": len(self.rows), "dim": self.rows[0].dim,
+                "activation": self.activation}
+
+
 class VectorRegistry:
-    """name -> NamedVector, for one engine (hidden size `dim`), at most `capacity`."""
+    """name -> NamedVector (and NamedProbe), for one engine (hidden size `dim`), at most
+    `capacity` vectors (a probe's rows count)."""
 
     def __init__(self, dim: int, capacity: int):
         self.dim, self.capacity = dim, capacity
         self._vectors: dict[str, NamedVector] = {}
+        self._probes: dict[str, NamedProbe] = {}
         self._lock = threading.Lock()
 
     def check(self, name: str, values) -> NamedVector:
@@ -74,9 +92,27 @@ class VectorRegistry:
     def get(self, name: str) -> NamedVector | None:
         return self._vectors.get(name)
 
+    def probe(self, name: str) -> NamedProbe | None:
+        return self._probes.get(name)
+
     def list(self) -> list[dict]:
         with self._lock:
-            return [v.describe() for v in sorted(self._vectors.values(), key=lambda v: v.name)]
+            return [v.describe() for v in sorted([*self._vectors.values(), *self._probes.values()],
+                                                 key=lambda v: v.name)]
+
+    def check_probe(self, name: str, weight, bias=None, activation: str = "none") -> NamedProbe:
+        """A probe from a [P, hidden] weight (and [P] bias): ValueError naming what is wrong."""
+        weight = np.asarray(weight, dtype=np.float32)
+        if weight.ndim != 2 or not weight.shape[0]:
+            raise ValueError(f"weight: shape {tuple(weight.shape)}, a probe is [P, {self.dim}]")
+        rows = tuple(self.check(name, w) for w in weight)
+        bias = np.zeros(len(rows), np.float32) if bias is None else \
+            np.asarray(bias, dtype=np.float32).reshape(-1)
+        if bias.shape != (len(rows),) or not np.isfinite(bias).all():
+            raise ValueError(f"bias: {len(rows)} finite values expected (one per weight row)")
+        if activation not in ("none", "sigmoid"):
+            raise ValueError(f"activation: {activation!r} is not 'none' or 'sigmoid'")
+        return NamedProbe(name, rows, tuple(float(b) for b in bias), activation)
 
     def from_safetensors(self, blob: bytes, name: str | None = None) -> list[NamedVector]:
         """The vectors of a safetensors file: each tensor by its key, or a file of one
@@ -95,9 +131,14 @@ class VectorRegistry:
 
     def load_dir(self, directory: str) -> int:
         """Every *.safetensors file of a folder: a file of one tensor registers as its
-        stem, one of several as stem.key."""
-        vectors = []
+        stem, one of several as stem.key; a probe file (a 2-D "weight", graphtap.vectors
+        .save_probe) as the probe named by its stem."""
+        vectors, probes = [], []
         for path in sorted(Path(directory).glob("*.safetensors")):
+            probe = self._probe_file(path)
+            if probe is not None:
+                probes.append(probe)
+                continue
             found = self.from_safetensors(path.read_bytes())
             if len(found) == 1:
                 vectors.append(self.check(path.stem, np.frombuffer(found[0].data, np.float32)))
@@ -105,4 +146,22 @@ class VectorRegistry:
                 vectors += [self.check(f"{path.stem}.{v.name}", np.frombuffer(v.data, np.float32))
                             for v in found]
         self.register(vectors)
-        return len(vectors)
+        with self._lock:
+            for p in probes:
+                self._probes[p.name] = p
+        return len(vectors) + len(probes)
+
+    def _probe_file(self, path: Path) -> NamedProbe | None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "np") as f:
+            keys = set(f.keys())
+            if "weight" not in keys or f.get_slice("weight").get_shape().__len__() != 2:
+                return None
+            meta = f.metadata() or {}
+            try:
+                return self.check_probe(path.stem, f.get_tensor("weight"),
+                                        f.get_tensor("bias") if "bias" in keys else None,
+                                        meta.get("activation", "none"))
+            except ValueError as e:
+                raise ValueError(f"{path.name}: {e}") from None

@@ -245,11 +245,13 @@ class Probe(BaseModel):
     model_config = STRICT
 
     site: str
-    weights: list[list[float] | str] = Field(min_length=1)
-    """One vector per score (hidden-size values, or the name of a registered vector)."""
+    weights: list[list[float] | str] | str = Field(min_length=1)
+    """One vector per score (hidden-size values, or the name of a registered vector), or
+    the name of a registered probe (its rows, bias and activation)."""
     bias: list[float] | None = None
-    """One per weight vector; default 0."""
-    activation: Literal["none", "sigmoid"] = "none"
+    """One per weight vector; default 0 (a registered probe's: its own)."""
+    activation: Literal["none", "sigmoid"] | None = None
+    """Default "none" (a registered probe's: its own)."""
     positions: Any = "all"
 
     @field_validator("positions", mode="before")
@@ -270,7 +272,9 @@ class Probe(BaseModel):
 
     @field_validator("weights")
     @classmethod
-    def _finite(cls, rows: list) -> list:
+    def _finite(cls, rows: list | str) -> list | str:
+        if isinstance(rows, str):
+            return rows  # a registered probe: resolved at admission
         for i, w in enumerate(rows):
             if isinstance(w, str):
                 if not w:
@@ -285,7 +289,7 @@ class Probe(BaseModel):
     @model_validator(mode="after")
     def _bias(self):
         if self.bias is not None:
-            if len(self.bias) != len(self.weights):
+            if not isinstance(self.weights, str) and len(self.bias) != len(self.weights):
                 raise ValueError(f"bias has {len(self.bias)} values for {len(self.weights)} "
                                  f"weight vectors")
             bad = next((b for b in self.bias if not math.isfinite(b)), None)

@@ -10,6 +10,20 @@ from graphtap.spec.schema import HookSpec, Probe, short
 from graphtap.spec.shape import ModelShape, check_float32, rule_of, site_of, vector_key
 
 
+def _registered_probe(p: Probe, i: int, vectors: VectorRegistry | None):
+    """(weight rows, bias, activation) of `"weights": name`, the entry's own bias and
+    activation taking precedence."""
+    named = vectors.probe(p.weights) if vectors is not None else None
+    if named is None:
+        raise ValueError(f"hooks.probe[{i}].weights: no registered probe named "
+                         f"{short(p.weights)} (GET /v1/graphtap/vectors lists them)")
+    if p.bias is not None and len(p.bias) != len(named.rows):
+        raise ValueError(f"hooks.probe[{i}].bias: {len(p.bias)} values for the "
+                         f"{len(named.rows)} rows of probe {short(p.weights)}")
+    return (tuple(r.data for r in named.rows), p.bias or named.bias,
+            p.activation or named.activation)
+
+
 def _probe_weights(p: Probe, i: int, shape: ModelShape,
                    vectors: VectorRegistry | None) -> tuple[bytes, ...]:
     out = []
@@ -52,19 +66,25 @@ def probes(spec: HookSpec, shape: ModelShape,
                              f"(hook_resid_pre|mid|post), not {site.name}")
         _once(site, seen, f"hooks.probe[{i}]", "put every weight vector of that site in one "
               "entry")
-        if len(p.weights) > shape.probe_width:
+        for b in p.bias or ():
+            check_float32(b, f"hooks.probe[{i}].bias")
+        if not isinstance(p.weights, str) and len(p.weights) > shape.probe_width:
             raise ValueError(f"hooks.probe[{i}].weights: {len(p.weights)} vectors, more than "
                              f"the engine's {shape.probe_width} per site "
                              f"(hook_config.probe_width)")
-        for name in ("bias",):
-            for b in getattr(p, name) or ():
-                check_float32(b, f"hooks.probe[{i}].{name}")
-        data = _probe_weights(p, i, shape, vectors)
+        if isinstance(p.weights, str):
+            data, bias, activation = _registered_probe(p, i, vectors)
+        else:
+            data, bias, activation = _probe_weights(p, i, shape, vectors), p.bias, p.activation
+        if len(data) > shape.probe_width:
+            raise ValueError(f"hooks.probe[{i}].weights: {len(data)} vectors, more than "
+                             f"the engine's {shape.probe_width} per site "
+                             f"(hook_config.probe_width)")
         probes.append(ProbeEntry(
             site.layer, site.kind, f"probe:{site.name}", data,
             tuple(vector_key(d) for d in data),
-            tuple(float(b) for b in (p.bias or [0.0] * len(data))),
-            p.activation == "sigmoid",
+            tuple(float(b) for b in (bias or [0.0] * len(data))),
+            activation == "sigmoid",
             rule_of(p.positions, f"hooks.probe[{i}]", shape.max_model_len)))
     return tuple(probes)
 
