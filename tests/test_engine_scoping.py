@@ -97,3 +97,29 @@ def test_an_op_outside_a_graphtap_engine_fails_loudly(llama_path):
                        enforce_eager=True).create_engine_config()
     with set_forward_context(None, plain), pytest.raises(RuntimeError, match="no graphtap"):
         torch.ops.graphtap.steer_resid_(torch.zeros(1, 256), None, torch.zeros(1), 0)
+
+
+def test_router_copies_positions_only_for_steps_that_steer_heads(llama_path):
+    """Review finding: with a z site configured, the router copied every step's
+    positions into tok_pos even when no request steered heads (the only reader)."""
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.hooks import init_hook_manager
+
+    z = "blocks.1.attn.hook_z"
+    config = engine_config(llama_path, sites=[SITE, z])
+    manager = init_hook_manager(config, None, torch.device("cpu"))
+    frontend = manager.frontend(config)
+    specs = {"resid": {"steer": [{"site": SITE, "op": "add", "vector": vector(256, 2)}]},
+             "heads": {"steer": [{"site": z, "op": "scale", "heads": [1], "scale": 0.0}]}}
+    for slot, (req, spec) in enumerate(specs.items()):
+        params = SamplingParams(max_tokens=4, hooks=spec)
+        frontend.process_request(req, params, None)
+        manager.add_request(slot, SimpleNamespace(req_id=req, prompt_len=3,
+                                                  sampling_params=params))
+    manager.apply_staged_writes()
+    tok_pos = manager.op_tables.tok_pos
+    tok_pos.fill_(-7)
+    manager.prepare_step(batch(["resid"]), dummy_run=False)
+    assert (tok_pos == -7).all()
+    manager.prepare_step(batch(["resid", "heads"]), dummy_run=False)
+    assert tok_pos[:6].tolist() == [0, 1, 2, 0, 1, 2]

@@ -84,8 +84,9 @@ class EngineHooks(HookManager):
         rows = dict(backend=backend, sites=self.sites, max_len=mc.max_model_len,
                     model_dtype=mc.dtype)
         bank = VectorBank(tables.ops.steer)  # resident vectors: steering and probe weights
+        self.steer = SteerFamily(tables, self.sites, bank)
         self.families = [
-            SteerFamily(tables, self.sites, bank),
+            self.steer,
             CaptureFamily(tables.ops.capture, tables.capture, tables.slots,
                           widths=widths, **rows)]
         self.probes = tables.probe is not None
@@ -163,7 +164,7 @@ class EngineHooks(HookManager):
             plans = [None] * len(self.families) if dummy_run else \
                 [family.plan(input_batch) for family in self.families]
             if any(plans):
-                self.router.route(input_batch)
+                self.router.route(input_batch, positions=self.steer.steers_heads(input_batch))
             else:
                 self.router.deactivate()
             for family, plan in zip(self.families, plans):

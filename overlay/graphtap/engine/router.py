@@ -36,9 +36,11 @@ class TokenRouter:
         self.t.backend.route_tokens(self.t.tok_slot, self.t.tok_row, self.t.sentinel, qsl,
                                     idx_mapping, n, num_reqs)
 
-    def route(self, input_batch) -> None:
+    def route(self, input_batch, positions: bool = True) -> None:
+        """Map the step's token rows; `positions`: a request of the step needs tok_pos
+        (head steering), so copy them too (they move every step, whatever the layout)."""
         n = input_batch.num_tokens_after_padding
-        if self.positions:  # they move every step, whatever the layout
+        if self.positions and positions:
             self.t.tok_pos[:n].copy_(input_batch.positions[:n], non_blocking=True)
         layout = (tuple(input_batch.req_ids), input_batch.num_tokens, n,
                   input_batch.query_start_loc_np[: input_batch.num_reqs + 1].tobytes())

@@ -28,6 +28,7 @@ class SteerFamily(FamilyBase):
         self._keys: dict[str, list[str]] = {}  # req_id -> vector keys it holds
         self._refused: dict[str, str] = {}  # req_id -> why, until the next step reports it
         self._slot_of: dict[str, int] = {}
+        self._heads: set[str] = set()  # requests that steer heads at attn.hook_z
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
@@ -53,6 +54,8 @@ class SteerFamily(FamilyBase):
         if wanted:
             self._keys[req_id] = [key for key, _ in wanted]
             self._slot_of[req_id] = slot
+        if any(s.kind == "attn_z" for s in spec.steer):
+            self._heads.add(req_id)
 
     def _write_condition(self, slot: int, i: int, c: ConditionEntry, row: int,
                          prompt_len: int) -> None:
@@ -66,6 +69,7 @@ class SteerFamily(FamilyBase):
 
     def remove_request(self, req_id: str) -> None:
         self._refused.pop(req_id, None)
+        self._heads.discard(req_id)
         for key in self._keys.pop(req_id, []):
             self.bank.release(key)
         slot = self._slot_of.pop(req_id, None)
@@ -91,3 +95,8 @@ class SteerFamily(FamilyBase):
     def plan(self, input_batch) -> bool:
         """Whether a request of the batch steers: the router must then map its tokens."""
         return bool(self._keys) and any(r in self._keys for r in input_batch.req_ids)
+
+    def steers_heads(self, input_batch) -> bool:
+        """Whether a request of the batch steers heads: the z op, whose slot carries no
+        positions, then reads the router's copy of them."""
+        return bool(self._heads) and any(r in self._heads for r in input_batch.req_ids)
