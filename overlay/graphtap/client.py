@@ -13,6 +13,7 @@ tensors in their own dtype when torch is importable (`as_torch`).
 """
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -59,10 +60,30 @@ class Completion:
         return self.choices[0].hooks
 
 
-def _jsonable(value: Any) -> Any:
-    """A spec with numpy arrays or torch tensors as vectors, as JSON data."""
+PACKED_FIELDS = ("vector", "weights")  # vectors: float32 bytes, not JSON float lists
+
+
+def pack(values) -> str:
+    """A vector as the spec's packed form: base64 of little-endian float32."""
+    if hasattr(values, "detach"):  # torch
+        values = values.detach().float().cpu().numpy()
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+
+
+def _jsonable(value: Any, key: str | None = None) -> Any:
+    """A spec with numpy arrays or torch tensors as vectors, as JSON data: arrays under
+    "vector" and the rows of "weights" travel packed ({"b64": ...}: a 4096-float list is
+    ~3x the bytes and ~0.3 ms of the server's element-by-element validation)."""
+    if key in PACKED_FIELDS and hasattr(value, "tolist") and not isinstance(value, str):
+        if getattr(value, "ndim", 0) == 1 and key == "vector":
+            return {"b64": pack(value)}
+        if getattr(value, "ndim", 0) == 2 and key == "weights":
+            return [{"b64": pack(row)} for row in value]
+    if key == "weights" and isinstance(value, (list, tuple)):
+        return [{"b64": pack(w)} if getattr(w, "ndim", 0) == 1 else _jsonable(w)
+                for w in value]
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: _jsonable(v, k) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if hasattr(value, "tolist"):  # numpy arrays, torch tensors, numpy scalars

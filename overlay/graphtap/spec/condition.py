@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphtap.spec.entries import ConditionEntry
+from graphtap.spec.packed import values_of
 from graphtap.spec.registry import VectorRegistry
 from graphtap.spec.schema import Condition, short
 from graphtap.spec.shape import ModelShape, check_float32, site_of, vector_key
@@ -62,7 +63,7 @@ def _vector(c: Condition, field: str, shape: ModelShape,
     if len(c.vector) != shape.hidden_size:
         raise ValueError(f"{field}.vector: length {len(c.vector)}, the model's hidden size "
                          f"is {shape.hidden_size}")
-    data = np.asarray(c.vector, dtype=np.float32)
+    data = values_of(c.vector)
     if not np.isfinite(data).all():
         raise ValueError(f"{field}.vector: overflows float32")
     return data.tobytes()

@@ -12,6 +12,7 @@ from graphtap.spec import scores
 from graphtap.spec.condition import condition_entry
 from graphtap.spec.entries import CaptureEntry, NormalisedSpec, PatternEntry, SteerEntry
 from graphtap.spec.registry import VectorRegistry
+from graphtap.spec.packed import values_of
 from graphtap.spec.schema import HookSpec, Steer, short
 from graphtap.spec.shape import (DTYPE_MAX, HEADROOM, ModelShape, check_float32, rule_of,
                                  site_of, vector_key)
@@ -83,7 +84,7 @@ def _head_vector(s: Steer, i: int, shape: ModelShape,
                              f"{short(s.vector)} (GET /v1/graphtap/vectors lists them)")
         values = np.frombuffer(named.data, np.float32)
     else:
-        values = np.asarray(s.vector, dtype=np.float32)
+        values = values_of(s.vector)
     if values.size != want:
         what = "head_dim" if heads else "heads x head_dim"
         raise ValueError(f"hooks.steer[{i}].vector: length {values.size}, {s.site} needs "
@@ -118,7 +119,7 @@ def _vector(s: Steer, i: int, shape: ModelShape, vectors: VectorRegistry | None)
     if len(s.vector) != shape.hidden_size:
         raise ValueError(f"hooks.steer[{i}].vector: length {len(s.vector)}, the model's "
                          f"hidden size is {shape.hidden_size}")
-    data = np.asarray(s.vector, dtype=np.float32)
+    data = values_of(s.vector)
     if not np.isfinite(data).all():
         raise ValueError(f"hooks.steer[{i}].vector: overflows float32")
     return data.tobytes()

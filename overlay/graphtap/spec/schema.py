@@ -14,64 +14,14 @@ import json
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-# Strict: a JSON true or "2.5" is not a number, 1.0 is not a head; integers are floats.
-STRICT = ConfigDict(extra="forbid", strict=True)
+from graphtap.spec.fields import (NAMED_POSITIONS, STRICT, PositionRange,  # noqa: F401
+                                   parse_positions, plain, short, vector_in)
+from graphtap.spec.packed import Packed, values_of
 
 OPS = ("add", "set_projection", "ablate", "clamp", "scale")
 MAX_HEAD_SCALE = 256.0  # past this a head's output is not scaled but overflowed
-
-
-def short(text, limit: int = 60) -> str:
-    """A user's string as an error message quotes it: a 1 MB name is not echoed back."""
-    text = str(text)
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
-NAMED_POSITIONS = ("all", "prompt", "generated", "last_prompt")
-
-
-class PositionRange(BaseModel):
-    """Positions start <= p < end (end exclusive, like a Python slice)."""
-
-    model_config = STRICT
-    start: int = Field(ge=0)
-    end: int = Field(gt=0)
-
-    @model_validator(mode="after")
-    def _ordered(self):
-        if self.end <= self.start:
-            raise ValueError(f"end ({self.end}) must be greater than start ({self.start})")
-        return self
-
-
-def _parse_positions(p: Any):
-    """Dispatch on the JSON type, so an error speaks about the form the user chose."""
-    if isinstance(p, str):
-        if p not in NAMED_POSITIONS:
-            raise ValueError(f"{short(p)} is not one of {', '.join(NAMED_POSITIONS)}")
-        return p
-    if isinstance(p, dict) or isinstance(p, PositionRange):
-        return PositionRange.model_validate(p)
-    if hasattr(p, "tolist") and not isinstance(p, (str, dict)):  # numpy / torch
-        p = p.tolist()
-    if isinstance(p, list):
-        if not p:
-            raise ValueError("an empty list selects nothing")
-        bad = next((x for x in p if isinstance(x, bool) or not isinstance(x, int) or x < 0), None)
-        if bad is not None:
-            raise ValueError(f"positions must be integers >= 0, got {bad!r}")
-        return list(p)
-    raise ValueError("expected a name, a list of positions or {\"start\": s, \"end\": e}")
-
-
-def _plain(value: Any) -> Any:
-    """numpy / torch values (offline callers) as the JSON values they stand for."""
-    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
-        return value.tolist()
-    if isinstance(value, list) and value and hasattr(value[0], "item") and \
-            not isinstance(value[0], (bool, int, float)):
-        return [v.item() if hasattr(v, "item") else v for v in value]
-    return value
 
 
 class Condition(BaseModel):
@@ -85,22 +35,30 @@ class Condition(BaseModel):
     model_config = STRICT
 
     site: str
-    vector: list[float] | str
-    """The condition direction or probe weights: hidden-size values, or a registered name."""
+    vector: list[float] | Packed | str
+    """The condition direction or probe weights: hidden-size values (a list, or packed
+    float32 bytes {"b64": ...}), or a registered name."""
     threshold: float
     score: Literal["projection", "probe"] = "projection"
     compare: Literal["above", "below"] = "above"
     bias: float = 0.0
     activation: Literal["none", "sigmoid"] = "none"
 
-    @field_validator("vector", "threshold", "bias", mode="before")
+    @field_validator("threshold", "bias", mode="before")
     @classmethod
     def _numpy(cls, v: Any):
-        return _plain(v)
+        return plain(v)
+
+    @field_validator("vector", mode="before")
+    @classmethod
+    def _packed(cls, v: Any):
+        return vector_in(v)
 
     @field_validator("vector")
     @classmethod
-    def _finite(cls, v: list[float] | str) -> list[float] | str:
+    def _finite(cls, v):
+        if isinstance(v, Packed):
+            return v  # checked as it was decoded
         if isinstance(v, str):
             if not v:
                 raise ValueError("a vector name must not be empty")
@@ -135,8 +93,9 @@ class Steer(BaseModel):
 
     site: str
     op: Literal["add", "set_projection", "ablate", "clamp", "scale"]
-    vector: list[float] | str | None = None
-    """The direction: its values, or the name of a vector registered with the server.
+    vector: list[float] | Packed | str | None = None
+    """The direction: its values (a list, or packed float32 bytes {"b64": ...}), or the
+    name of a vector registered with the server.
     At attn.hook_z with `heads`: head_dim values, added to each chosen head."""
     heads: list[int] | None = Field(None, min_length=1)
     """attn.hook_z only: the query heads edited ("scale" needs them)."""
@@ -151,17 +110,22 @@ class Steer(BaseModel):
     @field_validator("positions", mode="before")
     @classmethod
     def _positions(cls, p: Any):
-        return _parse_positions(p)
+        return parse_positions(p)
 
-    @field_validator("vector", "scale", "target", "min", "max", "heads", mode="before")
+    @field_validator("scale", "target", "min", "max", "heads", mode="before")
     @classmethod
     def _numpy(cls, v: Any):
-        return _plain(v)
+        return plain(v)
+
+    @field_validator("vector", mode="before")
+    @classmethod
+    def _packed(cls, v: Any):
+        return vector_in(v)
 
     @field_validator("vector")
     @classmethod
-    def _finite(cls, v: list[float] | str | None) -> list[float] | str | None:
-        if v is None:
+    def _finite(cls, v):
+        if v is None or isinstance(v, Packed):
             return v
         if isinstance(v, str):
             if not v:
@@ -203,7 +167,7 @@ class Steer(BaseModel):
             if self.min > self.max:
                 raise ValueError(f"clamp min ({self.min}) is greater than max ({self.max})")
         if self.op in ("set_projection", "ablate", "clamp") and \
-                not isinstance(self.vector, str) and not any(self.vector):
+                not isinstance(self.vector, str) and not values_of(self.vector).any():
             raise ValueError(f"op {self.op!r} needs a non-zero vector (it projects on it)")
         return self
 
@@ -216,12 +180,12 @@ class _Rows(BaseModel):
     @field_validator("positions", mode="before", check_fields=False)
     @classmethod
     def _positions(cls, p: Any):
-        return _parse_positions(p)
+        return parse_positions(p)
 
     @field_validator("heads", mode="before", check_fields=False)
     @classmethod
     def _numpy(cls, v: Any):
-        return _plain(v)
+        return plain(v)
 
 
 class Capture(_Rows):
@@ -245,7 +209,7 @@ class Probe(BaseModel):
     model_config = STRICT
 
     site: str
-    weights: list[list[float] | str] | str = Field(min_length=1)
+    weights: list[list[float] | Packed | str] | str = Field(min_length=1)
     """One vector per score (hidden-size values, or the name of a registered vector), or
     the name of a registered probe (its rows, bias and activation)."""
     bias: list[float] | None = None
@@ -257,18 +221,19 @@ class Probe(BaseModel):
     @field_validator("positions", mode="before")
     @classmethod
     def _positions(cls, p: Any):
-        return _parse_positions(p)
+        return parse_positions(p)
 
     @field_validator("weights", mode="before")
     @classmethod
     def _rows(cls, v: Any):
-        v = _plain(v)
-        return [_plain(w) for w in v] if isinstance(v, list) else v
+        if hasattr(v, "tolist") and getattr(v, "ndim", 0) == 2:  # [P, hidden] array
+            return [Packed.of(w) for w in v]
+        return [vector_in(w) for w in v] if isinstance(v, (list, tuple)) else v
 
     @field_validator("bias", mode="before")
     @classmethod
     def _numpy(cls, v: Any):
-        return _plain(v)
+        return plain(v)
 
     @field_validator("weights")
     @classmethod
@@ -276,6 +241,8 @@ class Probe(BaseModel):
         if isinstance(rows, str):
             return rows  # a registered probe: resolved at admission
         for i, w in enumerate(rows):
+            if isinstance(w, Packed):
+                continue
             if isinstance(w, str):
                 if not w:
                     raise ValueError(f"weights[{i}]: a vector name must not be empty")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphtap.spec.entries import GuardEntry, MassEntry, ProbeEntry, Span
+from graphtap.spec.packed import values_of
 from graphtap.spec.registry import VectorRegistry
 from graphtap.spec.schema import HookSpec, Probe, short
 from graphtap.spec.shape import ModelShape, check_float32, rule_of, site_of, vector_key
@@ -39,7 +40,7 @@ def _probe_weights(p: Probe, i: int, shape: ModelShape,
         if len(w) != shape.hidden_size:
             raise ValueError(f"{field}: length {len(w)}, the model's hidden size is "
                              f"{shape.hidden_size}")
-        data = np.asarray(w, dtype=np.float32)
+        data = values_of(w)
         if not np.isfinite(data).all():
             raise ValueError(f"{field}: overflows float32")
         out.append(data.tobytes())

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from graphtap.spec import parse_spec, steer_bounds
+from graphtap.spec.packed import values_of
 from graphtap.spec.sites import parse_site
 
 
@@ -42,7 +43,7 @@ def apply_steers(stream: torch.Tensor, steers: list, positions: torch.Tensor, pr
     s = stream.float()
     for steer, a, lo, hi in steers:
         mask = _selected(steer.positions, positions, prompt_len).unsqueeze(1)
-        v = torch.tensor(steer.vector, dtype=torch.float32)
+        v = torch.from_numpy(values_of(steer.vector).copy())
         norm = float(v.norm())
         u = v / norm if norm > 0 else torch.zeros_like(v)
         p = s @ u
@@ -65,11 +66,11 @@ def apply_head_steers(z: torch.Tensor, steers: list, positions: torch.Tensor,
             for h in heads:
                 new[:, h * head_dim:(h + 1) * head_dim] *= steer.scale
         elif heads:
-            v = steer.scale * torch.tensor(steer.vector, dtype=torch.float32)
+            v = steer.scale * torch.from_numpy(values_of(steer.vector).copy())
             for h in heads:
                 new[:, h * head_dim:(h + 1) * head_dim] += v
         else:
-            new += steer.scale * torch.tensor(steer.vector, dtype=torch.float32)
+            new += steer.scale * torch.from_numpy(values_of(steer.vector).copy())
         s = torch.where(mask, new, s)
     return s.to(z.dtype)
 
@@ -90,7 +91,7 @@ class _PositionTracker:
 
 def _score(c, row: torch.Tensor) -> bool:
     """A condition's verdict on one row of the stream (graphtap's formula, float32)."""
-    w = torch.tensor(c.vector, dtype=torch.float32)
+    w = torch.from_numpy(values_of(c.vector).copy())
     dot = row.float() @ w
     score = dot / w.norm() if c.score == "projection" else dot + c.bias
     if c.activation == "sigmoid":
