@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from graphtap.spec.entries import ConditionEntry
-from graphtap.spec.packed import values_of
 from graphtap.spec.registry import VectorRegistry
-from graphtap.spec.schema import Condition, short
-from graphtap.spec.shape import ModelShape, check_float32, site_of, vector_key
+from graphtap.spec.schema import Condition
+from graphtap.spec.shape import ModelShape, check_float32, hidden_vector, site_of, vector_key
 from graphtap.spec.sites import Site
 
 # Where a site is in one forward pass: a layer's input, its attention (q/k/v/z), the
@@ -44,26 +43,9 @@ def condition_entry(c: Condition, steered: Site, positions, field: str, shape: M
                          f"{' or '.join(map(repr, GATED_POSITIONS))}")
     for name in ("threshold", "bias"):
         check_float32(getattr(c, name), f"{field}.{name}")
-    data = _vector(c, field, shape, vectors)
+    data = hidden_vector(c.vector, f"{field}.vector", shape, vectors)
     if c.score == "projection" and not np.frombuffer(data, np.float32).any():
         raise ValueError(f"{field}.vector: a projection needs a non-zero vector")
     return ConditionEntry(site.layer, site.kind, data, vector_key(data), float(c.threshold),
                           unit=c.score == "projection", bias=float(c.bias),
                           sigmoid=c.activation == "sigmoid", below=c.compare == "below")
-
-
-def _vector(c: Condition, field: str, shape: ModelShape,
-            vectors: VectorRegistry | None) -> bytes:
-    if isinstance(c.vector, str):
-        named = vectors.get(c.vector) if vectors is not None else None
-        if named is None:
-            raise ValueError(f"{field}.vector: no registered vector named {short(c.vector)} "
-                             f"(GET /v1/graphtap/vectors lists them)")
-        return named.data
-    if len(c.vector) != shape.hidden_size:
-        raise ValueError(f"{field}.vector: length {len(c.vector)}, the model's hidden size "
-                         f"is {shape.hidden_size}")
-    data = values_of(c.vector)
-    if not np.isfinite(data).all():
-        raise ValueError(f"{field}.vector: overflows float32")
-    return data.tobytes()

@@ -2,9 +2,11 @@
 position rules, and how offline callers' numpy / torch values come in."""
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidationError, model_validator)
 
 from graphtap.spec.packed import Packed, is_array
 
@@ -80,3 +82,26 @@ def vector_in(value: Any) -> Any:
             msg = err["msg"].removeprefix("Value error, ")
             raise ValueError(f"{where}: {msg}" if where else msg) from None
     return plain(value)
+
+
+def check_vector(v):
+    """A vector field's value once parsed: packed (checked as it was decoded), a name,
+    or a non-empty list of finite floats."""
+    if v is None or isinstance(v, Packed):
+        return v
+    if isinstance(v, str):
+        if not v:
+            raise ValueError("a vector name must not be empty")
+        return v
+    if not v:
+        raise ValueError("a vector needs at least one value")
+    bad = next((i for i, x in enumerate(v) if not math.isfinite(x)), None)
+    if bad is not None:
+        raise ValueError(f"element {bad} is {v[bad]}: vectors must be finite")
+    return v
+
+
+# A vector field: values (a list, or packed float32 bytes) or a registered name; numpy /
+# torch inputs pack, a JSON object is checked as a packing.
+Vector = Annotated[list[float] | Packed | str, BeforeValidator(vector_in),
+                   AfterValidator(check_vector)]

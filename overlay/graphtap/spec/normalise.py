@@ -11,11 +11,11 @@ import numpy as np
 from graphtap.spec import scores
 from graphtap.spec.condition import condition_entry
 from graphtap.spec.entries import CaptureEntry, NormalisedSpec, PatternEntry, SteerEntry
-from graphtap.spec.registry import VectorRegistry
 from graphtap.spec.packed import values_of
+from graphtap.spec.registry import VectorRegistry
 from graphtap.spec.schema import HookSpec, Steer, short
-from graphtap.spec.shape import (DTYPE_MAX, HEADROOM, ModelShape, check_float32, rule_of,
-                                 site_of, vector_key)
+from graphtap.spec.shape import (DTYPE_MAX, HEADROOM, ModelShape, check_float32,
+                                 hidden_vector, rule_of, site_of, vector_key)
 from graphtap.spec.sites import KV_HEAD_KINDS, Site
 
 
@@ -107,22 +107,11 @@ def _steer_heads(s: Steer, i: int, shape: ModelShape) -> tuple[int, ...]:
 
 def _vector(s: Steer, i: int, shape: ModelShape, vectors: VectorRegistry | None) -> bytes:
     """A steer's vector as float32 bytes: its values, or the registered vector it names."""
-    if isinstance(s.vector, str):
-        named = vectors.get(s.vector) if vectors is not None else None
-        if named is None:
-            raise ValueError(f"hooks.steer[{i}].vector: no registered vector named "
-                             f"{short(s.vector)} (GET /v1/graphtap/vectors lists them)")
-        if s.op != "add" and named.norm == 0:
-            raise ValueError(f"hooks.steer[{i}]: op {s.op!r} needs a non-zero vector "
-                             f"(it projects on it); {short(s.vector)} is zero")
-        return named.data
-    if len(s.vector) != shape.hidden_size:
-        raise ValueError(f"hooks.steer[{i}].vector: length {len(s.vector)}, the model's "
-                         f"hidden size is {shape.hidden_size}")
-    data = values_of(s.vector)
-    if not np.isfinite(data).all():
-        raise ValueError(f"hooks.steer[{i}].vector: overflows float32")
-    return data.tobytes()
+    data = hidden_vector(s.vector, f"hooks.steer[{i}].vector", shape, vectors)
+    if isinstance(s.vector, str) and s.op != "add" and not np.frombuffer(data, np.float32).any():
+        raise ValueError(f"hooks.steer[{i}]: op {s.op!r} needs a non-zero vector "
+                         f"(it projects on it); {short(s.vector)} is zero")
+    return data
 
 
 def _site_vector(s: Steer, site: Site, i: int, shape: ModelShape,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from graphtap.spec.fields import (NAMED_POSITIONS, STRICT, PositionRange,  # noqa: F401
+from graphtap.spec.fields import (NAMED_POSITIONS, STRICT, PositionRange, Vector,  # noqa: F401
                                    parse_positions, plain, short, vector_in)
 from graphtap.spec.packed import Packed, values_of
 
@@ -35,7 +35,7 @@ class Condition(BaseModel):
     model_config = STRICT
 
     site: str
-    vector: list[float] | Packed | str
+    vector: Vector
     """The condition direction or probe weights: hidden-size values (a list, or packed
     float32 bytes {"b64": ...}), or a registered name."""
     threshold: float
@@ -48,27 +48,6 @@ class Condition(BaseModel):
     @classmethod
     def _numpy(cls, v: Any):
         return plain(v)
-
-    @field_validator("vector", mode="before")
-    @classmethod
-    def _packed(cls, v: Any):
-        return vector_in(v)
-
-    @field_validator("vector")
-    @classmethod
-    def _finite(cls, v):
-        if isinstance(v, Packed):
-            return v  # checked as it was decoded
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("a vector name must not be empty")
-            return v
-        if not v:
-            raise ValueError("a vector needs at least one value")
-        bad = next((i for i, x in enumerate(v) if not math.isfinite(x)), None)
-        if bad is not None:
-            raise ValueError(f"element {bad} is {v[bad]}: vectors must be finite")
-        return v
 
     @field_validator("threshold", "bias")
     @classmethod
@@ -93,7 +72,7 @@ class Steer(BaseModel):
 
     site: str
     op: Literal["add", "set_projection", "ablate", "clamp", "scale"]
-    vector: list[float] | Packed | str | None = None
+    vector: Vector | None = None
     """The direction: its values (a list, or packed float32 bytes {"b64": ...}), or the
     name of a vector registered with the server.
     At attn.hook_z with `heads`: head_dim values, added to each chosen head."""
@@ -116,27 +95,6 @@ class Steer(BaseModel):
     @classmethod
     def _numpy(cls, v: Any):
         return plain(v)
-
-    @field_validator("vector", mode="before")
-    @classmethod
-    def _packed(cls, v: Any):
-        return vector_in(v)
-
-    @field_validator("vector")
-    @classmethod
-    def _finite(cls, v):
-        if v is None or isinstance(v, Packed):
-            return v
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("a vector name must not be empty")
-            return v
-        if not v:
-            raise ValueError("a vector needs at least one value")
-        bad = next((i for i, x in enumerate(v) if not math.isfinite(x)), None)
-        if bad is not None:
-            raise ValueError(f"element {bad} is {v[bad]}: vectors must be finite")
-        return v
 
     @field_validator("scale", "target", "min", "max")
     @classmethod

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from graphtap.spec.entries import GuardEntry, MassEntry, ProbeEntry, Span
-from graphtap.spec.packed import values_of
 from graphtap.spec.registry import VectorRegistry
 from graphtap.spec.schema import HookSpec, Probe, short
-from graphtap.spec.shape import ModelShape, check_float32, rule_of, site_of, vector_key
+from graphtap.spec.shape import (ModelShape, check_float32, hidden_vector, rule_of, site_of,
+                                 vector_key)
 
 
 def _registered_probe(p: Probe, i: int, vectors: VectorRegistry | None):
@@ -27,24 +27,8 @@ def _registered_probe(p: Probe, i: int, vectors: VectorRegistry | None):
 
 def _probe_weights(p: Probe, i: int, shape: ModelShape,
                    vectors: VectorRegistry | None) -> tuple[bytes, ...]:
-    out = []
-    for j, w in enumerate(p.weights):
-        field = f"hooks.probe[{i}].weights[{j}]"
-        if isinstance(w, str):
-            named = vectors.get(w) if vectors is not None else None
-            if named is None:
-                raise ValueError(f"{field}: no registered vector named {short(w)} "
-                                 f"(GET /v1/graphtap/vectors lists them)")
-            out.append(named.data)
-            continue
-        if len(w) != shape.hidden_size:
-            raise ValueError(f"{field}: length {len(w)}, the model's hidden size is "
-                             f"{shape.hidden_size}")
-        data = values_of(w)
-        if not np.isfinite(data).all():
-            raise ValueError(f"{field}: overflows float32")
-        out.append(data.tobytes())
-    return tuple(out)
+    return tuple(hidden_vector(w, f"hooks.probe[{i}].weights[{j}]", shape, vectors)
+                 for j, w in enumerate(p.weights))
 
 
 def _once(site, seen: set, field: str, what: str) -> None:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import hashlib
 import math
 
+import numpy as np
+
 from pydantic import BaseModel
 
 from graphtap.spec.entries import Span
+from graphtap.spec.fields import short
+from graphtap.spec.packed import values_of
 from graphtap.spec.schema import PositionRange
 from graphtap.spec.sites import Site, parse_site
 
@@ -77,3 +81,21 @@ def check_float32(x: float | None, field: str) -> None:
     if x is not None and math.isfinite(x) and abs(x) > DTYPE_MAX["float32"]:
         raise ValueError(f"{field}: {x} overflows float32, the precision of the steering "
                          f"tables")
+
+
+def hidden_vector(vector, field: str, shape: ModelShape, vectors) -> bytes:
+    """A hidden-size vector of a spec (values, packed, or a registered name) as float32
+    bytes, or a refusal naming `field`."""
+    if isinstance(vector, str):
+        named = vectors.get(vector) if vectors is not None else None
+        if named is None:
+            raise ValueError(f"{field}: no registered vector named {short(vector)} "
+                             f"(GET /v1/graphtap/vectors lists them)")
+        return named.data
+    if len(vector) != shape.hidden_size:
+        raise ValueError(f"{field}: length {len(vector)}, the model's hidden size is "
+                         f"{shape.hidden_size}")
+    data = values_of(vector)
+    if not np.isfinite(data).all():
+        raise ValueError(f"{field}: overflows float32")
+    return data.tobytes()
