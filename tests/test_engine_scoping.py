@@ -123,3 +123,20 @@ def test_router_copies_positions_only_for_steps_that_steer_heads(llama_path):
     assert (tok_pos == -7).all()
     manager.prepare_step(batch(["resid", "heads"]), dummy_run=False)
     assert tok_pos[:6].tolist() == [0, 1, 2, 0, 1, 2]
+
+
+def test_default_capture_rows_fit_a_step_captured_everywhere(two_engines, llama_path):
+    """Issue 18: capture_rows defaults to the largest step (max_num_batched_tokens, 64
+    here) times the sites one request may capture (max_captures, at most the configured
+    row sites; patterns have their own buffer), so a Q/K capture of a full prefill step
+    does not overflow by default; an explicit capture_rows wins."""
+    from graphtap.config import HookConfig
+    from graphtap.spec.sites import SiteTable, expand_patterns
+
+    _, managers, _ = two_engines
+    assert managers[0].op_tables.capture.rows == 64  # one configured site
+    qk = SiteTable(expand_patterns([f"blocks.{i}.attn.hook_{k}" for i in range(4) for k in "qk"]
+                                   + ["blocks.1.attn.hook_pattern"], 4))
+    assert HookConfig().capture_rows_for(qk, 8192) == 8 * 8192
+    assert HookConfig(max_captures=2).capture_rows_for(qk, 8192) == 2 * 8192
+    assert HookConfig(capture_rows=100).capture_rows_for(qk, 8192) == 100

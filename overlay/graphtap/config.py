@@ -44,11 +44,14 @@ class HookConfig(BaseModel):
     save_quota_bytes: int = Field(16 * 2**30, ge=0)
     """Bytes of `save_to` files each API server process may write in its lifetime; past
     it, saves fail with an error naming this option."""
-    capture_rows: int = Field(4096, ge=1)
+    capture_rows: int | None = Field(None, ge=1)
     """Rows of the device capture buffer, per step (each row: one position at one site,
-    hidden_size values in the model's dtype). Part of the memory vLLM profiles; a step
-    that would need more fails the captures of the requests in its batch that capture,
-    with an error, instead of dropping rows."""
+    the widest configured site's values in the model's dtype). Default: the largest step
+    (max_num_batched_tokens) times the sites one request may capture (max_captures, at
+    most the configured q/k/v/z and residual sites), so a step whose every token is
+    captured at every such site fits (a Q/K capture of an 8192-token prefill). Part of
+    the memory vLLM profiles; a step that would need more fails the captures of the
+    requests in its batch that capture, with an error, instead of dropping rows."""
 
     pattern_rows: int = Field(256, ge=1)
     """Rows of the device attention-pattern buffer, per step (each row: one query position
@@ -75,6 +78,13 @@ class HookConfig(BaseModel):
 
     def site_table(self, num_layers: int) -> SiteTable:
         return SiteTable(expand_patterns(self.sites, num_layers))
+
+    def capture_rows_for(self, sites: SiteTable, max_tokens: int) -> int:
+        """capture_rows, or its default for an engine whose steps hold max_tokens."""
+        if self.capture_rows is not None:
+            return self.capture_rows
+        row_sites = sum(s.capture_family == "capture" for s in sites.sites)
+        return max(1, max_tokens * min(self.max_captures, row_sites))
 
 
 def load_hook_config(raw: dict | None) -> HookConfig:
