@@ -84,7 +84,7 @@ def served_hooks(mode: str, cfg: dict) -> dict | None:
 
 
 def register(base: str, cfg: dict) -> None:
-    body = json.dumps({"name": "bench", "vector": steer_vector(cfg)}).encode()
+    body = json.dumps({"name": "bench", "vector": steer_vector(cfg).tolist()}).encode()
     req = urllib.request.Request(base + "/v1/graphtap/vectors", body,
                                  {"Content-Type": "application/json"})
     urllib.request.urlopen(req, timeout=60).read()

@@ -50,7 +50,19 @@ class Packed(BaseModel):
 
     @classmethod
     def of(cls, values) -> "Packed":
-        return cls(b64=pack(values))
+        """An offline caller's array, kept as float32 values (no base64 round trip; b64
+        stays empty: a spec is never sent on from its parsed form)."""
+        if hasattr(values, "detach"):  # torch
+            values = values.detach().float().cpu().numpy()
+        values = np.array(values, dtype=np.float32)  # a copy the caller cannot change
+        finite = np.isfinite(values)
+        if not values.size or not finite.all():
+            bad = int(np.argmin(finite)) if values.size else 0
+            raise ValueError("a vector needs at least one value" if not values.size else
+                             f"element {bad} is {values[bad]}: vectors must be finite")
+        packed = cls.model_construct(b64="")
+        packed._values = values
+        return packed
 
 
 def pack(values) -> str:
