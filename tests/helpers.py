@@ -34,6 +34,26 @@ def assert_parity(got, want):
     assert np.max(np.abs(np.array(glp) - np.array(wlp))) < 1e-4, (glp, wlp)
 
 
+def assert_captures_equal_hf(llm, path, ids, sites: list[str], steer: dict) -> None:
+    """Capture `sites` (float32) of one greedy request steered by `steer`: its tokens
+    equal HF's with the same steering, and every site's rows come back once per position
+    HF ran, within 1e-4 of HF's residual stream."""
+    from vllm import SamplingParams
+
+    from graphtap.testing.engines import _hf_model
+    from graphtap.testing.hf_reference import hf_capture
+
+    hooks = {"capture": [{"site": s, "dtype": "float32"} for s in sites], **steer}
+    out = llm.generate([{"prompt_token_ids": ids}],
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, hooks=hooks),
+                       use_tqdm=False)[0]
+    want, wpos, tokens = hf_capture(_hf_model(str(path)), ids, MAX_TOKENS, sites, steer)
+    assert list(out.outputs[0].token_ids) == tokens
+    for s in sites:
+        assert out.hooks.positions[s].tolist() == wpos[s].tolist(), s
+        assert (out.hooks[s] - want[s]).abs().max().item() <= 1e-4, s
+
+
 def sizes(**overrides):
     """Table sizes for engine-less unit tests (graphtap.engine.tables.Sizes)."""
     from graphtap.engine.tables import Sizes

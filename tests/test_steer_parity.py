@@ -7,7 +7,7 @@ import torch
 
 from graphtap.testing.engines import _hf_model, tokenize
 from graphtap.testing.hf_reference import hf_generate
-from helpers import MAX_TOKENS, assert_parity, run, vector
+from helpers import MAX_TOKENS, assert_captures_equal_hf, assert_parity, run, vector
 
 OPS = [dict(op="add", scale=6.0), dict(op="set_projection", target=4.0), dict(op="ablate"),
        dict(op="clamp", min=-0.25, max=0.25)]
@@ -80,25 +80,11 @@ def test_runner_is_v2(steer_engine):
 
 def test_capture_parity_with_hf(steer_engine):
     """Capture at every residual kind, steered too: the ops survive torch.compile."""
-    from graphtap.testing.hf_reference import hf_capture
-
     llm, path, hidden, layers = steer_engine
-    ids = tokenize(path, [PROMPT])[0]
     sites = [f"blocks.{l}.hook_resid_{k}" for l in (0, layers - 1) for k in ("pre", "mid", "post")]
     steer = {"steer": [{"site": "blocks.1.hook_resid_post", "op": "add", "scale": 3.0,
                         "vector": vector(hidden, 4)}]}
-    hooks = {"capture": [{"site": s, "dtype": "float32"} for s in sites], **steer}
-    from vllm import SamplingParams
-
-    out = llm.generate([{"prompt_token_ids": ids}],
-                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, hooks=hooks),
-                       use_tqdm=False)[0]
-    want, wpos, tokens = hf_capture(_hf_model(str(path)), ids, MAX_TOKENS, sites, steer)
-    assert list(out.outputs[0].token_ids) == tokens
-    for s in sites:
-        assert out.hooks.positions[s].tolist() == wpos[s].tolist(), s
-        assert (out.hooks[s] - want[s]).abs().max().item() <= 1e-4, s
-
+    assert_captures_equal_hf(llm, path, tokenize(path, [PROMPT])[0], sites, steer)
 
 
 def test_attention_capture_parity_with_hf(steer_engine):

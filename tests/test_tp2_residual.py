@@ -9,8 +9,8 @@ import os
 import pytest
 
 from graphtap.testing.engines import _hf_model, tokenize
-from graphtap.testing.hf_reference import hf_capture, hf_generate
-from helpers import MAX_TOKENS, assert_parity, run, vector
+from graphtap.testing.hf_reference import hf_generate
+from helpers import MAX_TOKENS, assert_captures_equal_hf, assert_parity, run, vector
 
 PROMPT = "Steering vectors shift the hidden state"
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -53,19 +53,9 @@ def test_steering_at_tp2_equals_hf(tp2):
 
 
 def test_residual_captures_at_tp2_come_back_once_and_equal_hf(tp2):
-    from vllm import SamplingParams
-
     llm, path, hidden, layers = tp2
-    ids = tokenize(path, [PROMPT])[0]
-    sites = ["blocks.1.hook_resid_mid", f"blocks.{layers - 1}.hook_resid_post"]
     steer = {"steer": [{"site": "blocks.0.hook_resid_post", "op": "add", "scale": 3.0,
                         "vector": vector(hidden, 4)}]}
-    hooks = {"capture": [{"site": s, "dtype": "float32"} for s in sites], **steer}
-    out = llm.generate([{"prompt_token_ids": ids}],
-                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, hooks=hooks),
-                       use_tqdm=False)[0]
-    want, wpos, tokens = hf_capture(_hf_model(str(path)), ids, MAX_TOKENS, sites, steer)
-    assert list(out.outputs[0].token_ids) == tokens
-    for s in sites:
-        assert out.hooks.positions[s].tolist() == wpos[s].tolist(), s  # once each
-        assert (out.hooks[s] - want[s]).abs().max().item() <= 1e-4, s
+    assert_captures_equal_hf(llm, path, tokenize(path, [PROMPT])[0],  # positions: once each
+                             ["blocks.1.hook_resid_mid", f"blocks.{layers - 1}.hook_resid_post"],
+                             steer)

@@ -31,21 +31,20 @@ from graphtap.support import refuse_unsupported
 logger = init_logger(__name__)
 
 
-def _sizes(vllm_config, config: HookConfig, num_sites: int, patterns: bool,
+def _sizes(vllm_config, config: HookConfig, sites, patterns: bool,
            capture_width: int) -> Sizes:
     mc, sc, pc = vllm_config.model_config, vllm_config.scheduler_config, \
         vllm_config.parallel_config
     max_tokens = max(sc.max_num_batched_tokens,
                      vllm_config.compilation_config.max_cudagraph_capture_size or 0)
     return Sizes(max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_len=mc.max_model_len,
-                 num_sites=num_sites, hidden=mc.get_hidden_size(),
+                 num_sites=len(sites), hidden=mc.get_hidden_size(),
                  steer_width=max(mc.get_hidden_size(),
                                  mc.get_num_attention_heads(pc) * mc.get_head_size()),
                  dtype=mc.dtype,
                  max_steers=config.max_steers, max_vectors=config.max_vectors,
                  max_captures=config.max_captures,
-                 capture_rows=config.capture_rows_for(config.site_table(
-                     mc.hf_text_config.num_hidden_layers), max_tokens),
+                 capture_rows=config.capture_rows_for(sites, max_tokens),
                  capture_width=capture_width, pattern_rows=config.pattern_rows,
                  num_heads=mc.get_num_attention_heads(pc), patterns=patterns,
                  max_probes=config.max_probes, probe_width=config.probe_width,
@@ -76,7 +75,7 @@ class EngineHooks(HookManager):
         patterns = any(s.kind == PATTERN for s in self.sites.sites)
         backend = select_backend(device)
         widths = _widths(vllm_config)
-        tables = allocate(_sizes(vllm_config, self.config, len(self.sites), patterns,
+        tables = allocate(_sizes(vllm_config, self.config, self.sites, patterns,
                                  max(w for w, _ in widths.values())), backend, device)
         self.op_tables = tables.ops  # what the graph ops read (ops/running.py)
         self.slots = tables.slots

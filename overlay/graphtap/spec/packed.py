@@ -33,12 +33,7 @@ class Packed(BaseModel):
         if not raw or len(raw) % 4:
             raise ValueError(f"b64: {len(raw)} bytes is not a whole number (> 0) of float32 "
                              f"values")
-        values = np.frombuffer(raw, LITTLE_F32).astype(np.float32)  # native order
-        finite = np.isfinite(values)
-        if not finite.all():
-            bad = int(np.argmin(finite))
-            raise ValueError(f"b64: element {bad} is {values[bad]}: vectors must be finite")
-        self._values = values
+        self._values = _finite(np.frombuffer(raw, LITTLE_F32).astype(np.float32), "b64: ")
         return self
 
     @property
@@ -55,21 +50,19 @@ class Packed(BaseModel):
         if hasattr(values, "detach"):  # torch
             values = values.detach().float().cpu().numpy()
         values = np.array(values, dtype=np.float32)  # a copy the caller cannot change
-        finite = np.isfinite(values)
-        if not values.size or not finite.all():
-            bad = int(np.argmin(finite)) if values.size else 0
-            raise ValueError("a vector needs at least one value" if not values.size else
-                             f"element {bad} is {values[bad]}: vectors must be finite")
+        if not values.size:
+            raise ValueError("a vector needs at least one value")
         packed = cls.model_construct(b64="")
-        packed._values = values
+        packed._values = _finite(values)
         return packed
 
 
-def pack(values) -> str:
-    """The b64 text of a vector (numpy, torch or a list)."""
-    if hasattr(values, "detach"):  # torch
-        values = values.detach().float().cpu().numpy()
-    return base64.b64encode(np.asarray(values, dtype=LITTLE_F32).tobytes()).decode()
+def _finite(values: np.ndarray, where: str = "") -> np.ndarray:
+    finite = np.isfinite(values)
+    if not finite.all():
+        bad = int(np.argmin(finite))
+        raise ValueError(f"{where}element {bad} is {values[bad]}: vectors must be finite")
+    return values
 
 
 def is_array(value: Any) -> bool:
