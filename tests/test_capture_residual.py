@@ -197,3 +197,44 @@ def test_save_to_stays_inside_save_root(engine, llama_path):
     for bad in ("../escape", "/etc"):
         with pytest.raises(ValueError, match=r"hooks.save_to: .* is not a plain relative folder"):
             generate(engine, ids, [capture(save_to=bad)])
+
+
+def test_probe_rows_come_home_however_the_request_ends(engine, llama_path):
+    """Probe rows are held on the worker until a step that may finish the request
+    (courier/held.py): whether it ends at its length, on a stop token or on a stop string
+    (held rows then go home every step, in many chunks), every generated position that
+    ran comes back once, in a batch with chunked prefill beside it, and each score is its
+    probe of the residual the same request captured."""
+    from vllm import SamplingParams
+
+    ids = tokenize(llama_path, [LONG])[0]
+    site = "blocks.3.hook_resid_post"
+    w = vector(256, 41)
+    spec = {"probe": [{"site": site, "weights": [w], "positions": "generated"}],
+            "capture": [{"site": site, "positions": "generated", "dtype": "float32"}]}
+    free = engine.generate([{"prompt_token_ids": ids}], params(max_tokens=16), use_tqdm=False)
+    tokens = list(free[0].outputs[0].token_ids)
+    k = next(i for i in range(3, 16) if tokens[i] not in tokens[:i])  # first new token
+    text = engine.get_tokenizer().decode(tokens[:k + 1])
+    stop_text = text[-3:]
+    cases = {"length": dict(max_tokens=12),
+             "stop token": dict(max_tokens=16, ignore_eos=False, stop_token_ids=[tokens[k]]),
+             "stop string": dict(max_tokens=16, stop=[stop_text])}
+    ps = [SamplingParams(temperature=0.0, hooks=spec, **{"ignore_eos": True, **kw})
+          for kw in cases.values()]
+    outs = engine.generate([{"prompt_token_ids": ids}] * len(ps) + [{"prompt_token_ids": ids[:9]}],
+                           ps + [params(capture([site]), max_tokens=4)], use_tqdm=False)
+    for (name, kw), out in zip(cases.items(), outs):
+        n = len(out.outputs[0].token_ids)
+        assert out.hooks.error is None, (name, out.hooks.error)
+        got = out.hooks.positions[f"probe:{site}"].tolist()
+        assert got[:n - 1] == list(range(len(ids), len(ids) + n - 1)), name
+        assert got == sorted(set(got)), name  # each position once
+        if name == "stop token":
+            assert out.outputs[0].finish_reason == "stop" and n == k + 1
+        own = out.hooks[site] @ torch.tensor(w)
+        rows = out.hooks.positions[site].tolist()
+        keep = [rows.index(p) for p in got]
+        torch.testing.assert_close(out.hooks[f"probe:{site}"][:, 0], own[keep], rtol=1e-5,
+                                   atol=1e-5 * own.abs().max().item())
+    assert outs[-1].hooks.error is None  # the plain capture beside them

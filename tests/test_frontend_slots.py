@@ -19,8 +19,8 @@ class Recorder(HookFrontend):
     def release_request(self, request_id):
         self.calls.append(("release", request_id))
 
-    def finish_outputs(self, request_id, chunks):
-        self.calls.append(("finish", request_id))
+    def finish_outputs(self, request_id, chunks, num_tokens):
+        self.calls.append(("finish", request_id, num_tokens))
         return {"rows": torch.cat([c["rows"] for c in chunks])}
 
 
@@ -49,11 +49,17 @@ def test_each_engine_finishes_its_requests_with_its_own_frontend():
     b = OutputProcessor(None, log_stats=False)  # an engine without a hook manager
     out_b = run(b, "plain")  # created after the hooked one: once took over its frontend
     out_a = run(a, "hooked")
-    assert hooked.calls == [("admit", "hooked"), ("finish", "hooked"), ("release", "hooked")]
+    # the finish gets the request's length: 3 prompt tokens and 2 generated
+    assert hooked.calls == [("admit", "hooked"), ("finish", "hooked", 5), ("release", "hooked")]
     assert torch.equal(out_a.hooks["rows"], torch.tensor([[1.0] * 2, [2.0] * 2, [3.0] * 2]))
     # the plain engine's no-op frontend returns the chunks as they came (nothing asked
     # for them: an engine without a hook manager never gets any)
     assert [c["rows"][0, 0].item() for c in out_b.hooks] == [1.0, 2.0, 3.0]
+    # and a request that sent none gets None from it, as stock vLLM gives
+    b.add_request(request("bare"), None)
+    bare = b.process_outputs([EngineCoreOutput(request_id="bare", new_token_ids=[7, 8],
+                                               finish_reason=FinishReason.LENGTH)])
+    assert bare.request_outputs[0].hooks is None
     # an abort goes to the request's own engine's frontend too
     a.add_request(request("gone"), None)
     a.abort_requests(["gone"], internal=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graphtap.courier import assemble
-from graphtap.courier.chunks import FINISH, GUARD, positions_key
+from graphtap.courier.chunks import FINISH, positions_key
 from graphtap.courier.guard import apply_guards
 from graphtap.spec import ModelShape, normalise, parse_spec
 
@@ -82,12 +82,11 @@ def test_focus_guard_flags_and_stops_at_the_last_prompt_token():
     early = _mass_chunk([0, 1], 0.1)  # a chunk of the prompt without its last token
     out = {"a": low, "b": high, "c": early}
     apply_guards(out, {"a": (g, 5), "b": (g, 5), "c": (g, 5)})
-    assert out["a"][GUARD].tolist() == [0.25, 4.0, 1.0] and FINISH in out["a"]
-    assert out["b"][GUARD].tolist() == [0.75, 4.0, 0.0] and FINISH not in out["b"]
-    assert GUARD not in out["c"]
-    done = assemble([low], g)
+    assert FINISH in out["a"] and FINISH not in out["b"] and FINISH not in out["c"]
+    done = assemble([low], g, prompt_len=5)
     assert done.guard == {"kind": "attention_focus", "threshold": 0.5, "action": "stop",
                           "score": 0.25, "position": 4, "flagged": True}
+    assert assemble([high], g, prompt_len=5).guard["flagged"] is False
 
 
 def test_probe_guard_takes_the_first_flagged_generated_position():
@@ -98,10 +97,17 @@ def test_probe_guard_takes_the_first_flagged_generated_position():
              {name: torch.tensor([[0.0, 9.0]]), positions_key(name): torch.tensor([9])}]
     for chunk in steps:
         apply_guards({"r": chunk}, {"r": (g, 5)})
-    assert steps[0][GUARD].tolist() == [0.75, 6.0, 0.0]  # the highest, not flagged
-    assert steps[1][GUARD].tolist() == [1.5, 7.0, 1.0] and FINISH not in steps[1]  # annotate
-    verdict = assemble(steps, g).guard
+    assert not any(FINISH in c for c in steps)  # annotate: nothing stops
+    verdict = assemble(steps, g, prompt_len=5).guard
     assert (verdict["score"], verdict["position"], verdict["flagged"]) == (1.5, 7, True)
-    quiet = assemble(steps[:1], g).guard
-    assert (quiet["score"], quiet["flagged"]) == (0.75, False)
-    assert assemble([{}], g).guard["score"] is None  # no generated row ever came
+    quiet = assemble(steps[:1], g, prompt_len=5).guard
+    assert (quiet["score"], quiet["position"], quiet["flagged"]) == (0.75, 6, False)
+    assert assemble([{}], g, prompt_len=5).guard["score"] is None  # no generated row came
+    # out of order (a recomputation): the verdict reads positions, not arrival order
+    late = assemble([steps[1], steps[0]], g, prompt_len=5).guard
+    assert (late["score"], late["position"]) == (1.5, 7)
+    stop = spec(probe=[PROBE], guard={"kind": "probe", "threshold": 1.0, "column": 1,
+                                      "action": "stop"}).guard
+    chunk = dict(steps[1])
+    apply_guards({"r": chunk}, {"r": (stop, 5)})
+    assert FINISH in chunk

@@ -211,8 +211,9 @@ def test_steps_that_capture_nothing_route_nothing():
 
 
 def test_rows_in_step_prefilter_matches_the_loop():
-    """Random batches: the prefiltered pass returns exactly what the per-row loop does."""
-    from graphtap.engine.wanted import Wants, rows_in_step
+    """Random batches: the prefiltered pass returns exactly what the per-row loop does,
+    and the vectorised table (one numpy pass per step) its total."""
+    from graphtap.engine.wanted import WantTable, Wants, rows_in_step
 
     rng = np.random.default_rng(0)
     rules = ["last_prompt", "prompt", "all", "generated", [3, 7], {"start": 2, "end": 9}]
@@ -234,6 +235,13 @@ def test_rows_in_step_prefilter_matches_the_loop():
             num_scheduled_tokens=rng.integers(1, 8, n),
             num_draft_tokens_per_req=rng.integers(0, 3, n) if rng.random() < 0.5 else None)
         assert rows_in_step(wants, batch, ends) == rows_in_step(wants, batch)
+        table = WantTable()
+        table._max_len = L
+        for i, slot in enumerate(slots):
+            if f"r{i}" in wants:
+                table.set(int(slot), wants[f"r{i}"])
+        table.set(16, wants.get("r0", Wants(L)))  # a live request not in this batch
+        assert table.bound(batch) == sum(r for _, _, r in rows_in_step(wants, batch))
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it():

@@ -184,7 +184,27 @@ def test_family_scores_and_splits_per_request():
     torch.testing.assert_close(out[f"probe:{SITE}"], want, atol=1e-5, rtol=1e-5)
     assert out[f"probe:{SITE}@positions"].tolist() == [0, 1, 2, 3]
     assert fam.stats()["requests"] == 1 and bank.held() == 2
+    # Through the step set, as vLLM hands it the step's output: the request's rows are
+    # held while its sampled token cannot finish it, and come home in one chunk when
+    # one can (here its stop token), HELD saying how many positions ran.
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.chunks import HELD
+    from graphtap.courier.held import Ending, StepBatch
+
+    fam.hold("a", Ending(frozenset({7}), cap=L, every_step=False))
+    sampled = lambda tok: SimpleNamespace(req_ids=["a"], sampled_token_ids=[[tok]])  # noqa
+    for tok, comes in ((3, False), (7, True)):
+        step = fam.snapshot()
+        step.to_cpu_nonblocking()
+        got = StepSnapshots([step], batch=StepBatch(["a"], np.array([4]))).per_request(
+            sampled(tok))
+        assert ("a" in got) == comes
+    rows = got["a"][f"probe:{SITE}"]
+    assert rows.shape == (8, 2) and got["a"][HELD].tolist() == [4]  # both steps' rows
+    torch.testing.assert_close(rows[4:], want, atol=1e-5, rtol=1e-5)
+    assert fam.stats()["held_requests"] == 1 and fam.stats()["held_bytes"] == 0
     fam.remove_request("a")
-    assert bank.held() == 0 and fam.stats() == {"requests": 0, "active_slots": 0}
+    assert bank.held() == 0 and fam.stats() == {"requests": 0, "active_slots": 0,
+                                                "held_requests": 0, "held_bytes": 0}
     et.slots.apply()
     assert (et.ops.probe.entry_vec[1] == 0).all()

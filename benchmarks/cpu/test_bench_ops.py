@@ -200,23 +200,35 @@ def test_spec_validation(benchmark, spec):
 
 
 @pytest.mark.parametrize("reqs", [16, 64])
-def test_probe_guard_verdicts(benchmark, reqs):
-    """A probe guard's per-step work in the worker (courier/guard.py): one decode step of
-    `reqs` guarded requests, one probe row each. It runs on the output thread, which
-    shares the GIL with the next step's setup: its cost per request per step shows in
-    TPOT (the probe guard's +1 to +3 % on the H200 came with ~24 us a request here when
-    it was written in torch calls; numpy with a one-row fast path is ~4 us)."""
-    from graphtap.courier.chunks import positions_key
-    from graphtap.courier.guard import apply_guards
+def test_probe_guard_step(benchmark, reqs):
+    """A probe guard's per-step host work in the worker: one decode step of `reqs`
+    guarded requests, one probe row each, none finishing (courier/held.py: the rows are
+    held, and go home once per request at a step that may finish it). On the H200 the
+    per-step chunks this replaced (the split, a verdict per request, three tensors each
+    serialised and decoded) cost +10 to +20 % TPOT at 8 and 16 req/s (benchmarks/results)."""
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.held import Ending, HeldRows, StepBatch
     from graphtap.spec.entries import GuardEntry
 
     name = "probe:blocks.16.hook_resid_post"
-    guard = GuardEntry(kind="probe", threshold=1e30, stop=False, sources=(name,))
-    guards = {f"r{i}": (guard, 256) for i in range(reqs)}
+    guard = GuardEntry(kind="probe", threshold=1e30, stop=True, sources=(name,))
+    held = HeldRows({1: name})
+    ids = [f"r{i}" for i in range(reqs)]
+    for r in ids:
+        held.add_request(r, {1: 1}, Ending(frozenset({2}), cap=1 << 30, every_step=False))
+    batch = StepBatch(ids, np.arange(reqs) + 300)
+    output = SimpleNamespace(req_ids=ids, sampled_token_ids=[[5]] * reqs)
+    guards = {r: (guard, 256) for r in ids}
 
     def step():
-        return {f"r{i}": {name: torch.randn(1, 1), positions_key(name): torch.tensor([300 + i])}
-                for i in range(reqs)}
+        labels = torch.tensor([(i, 1, 300) for i in range(reqs)])
+        count = torch.cat([torch.tensor([reqs]), torch.ones(reqs, dtype=torch.long)])
+        part = CaptureStep(StepRows(torch.randn(reqs, 1), labels, count, dict(enumerate(ids)),
+                                    {(i, 1): RowFormat(torch.float32, 1, None, 0)
+                                     for i in range(reqs)}, {1: name}, 1 << 12,
+                                    OverflowKind.PROBE_ROWS))
+        part.held = held
+        return (StepSnapshots([part], guards, batch), output), {}
 
-    out = benchmark.pedantic(apply_guards, setup=lambda: ((step(), guards), {}), rounds=200)
-    assert out is None
+    out = benchmark.pedantic(lambda snap, o: snap.per_request(o), setup=step, rounds=200)
+    assert out == {}

@@ -62,7 +62,8 @@ class GraphtapFrontend(HookFrontend):
         self._lock = threading.Lock()
         self._live: dict[str, set[str]] = {}
         self._refs: Counter[str] = Counter()
-        self._finish: dict[str, NormalisedSpec] = {}  # what finish_outputs needs per request
+        # what finish_outputs needs per request: (spec, prompt length)
+        self._finish: dict[str, tuple[NormalisedSpec, int]] = {}
         self._bytes: dict[str, int] = {}  # live requests' capture byte estimates
         self.api_servers = 1  # API server processes, each with a frontend of its own
         self.saver = Saver(shape.save_root, shape.save_quota_bytes)
@@ -144,7 +145,8 @@ class GraphtapFrontend(HookFrontend):
             if spec.capture_bytes:
                 self._bytes[request.request_id] = spec.capture_bytes
             if spec.captures_anything:
-                self._finish[request.request_id] = spec
+                prompt = getattr(request, "prompt_token_ids", None)
+                self._finish[request.request_id] = (spec, len(prompt) if prompt else 0)
 
     def stats(self) -> dict:
         """What this frontend holds now (leak checks: zeros once every request ended)."""
@@ -166,13 +168,18 @@ class GraphtapFrontend(HookFrontend):
                     if self._refs[k] <= 0:
                         del self._refs[k]
 
-    def finish_outputs(self, request_id: str, chunks) -> HookOutputs:
+    def finish_outputs(self, request_id: str, chunks, num_tokens: int = 0) -> HookOutputs | None:
         # Runs in AsyncLLM's output handler, where an exception stops the API server:
         # whatever goes wrong fails this request's hooks only, with the reason.
         with self._lock:
-            spec = self._finish.pop(request_id, None)
+            spec, prompt_len = self._finish.pop(request_id, (None, 0))
+        if spec is None and not chunks:
+            return None  # a request without captures (vLLM asks for every request)
         try:
-            out = assemble(chunks, spec.guard if spec is not None else None)
+            # probes hold their rows on the worker until the request may finish
+            held = num_tokens - 1 if spec is not None and spec.probe else None
+            out = assemble(chunks, spec.guard if spec is not None else None, prompt_len,
+                           held)
         except Exception as e:
             logger.exception("graphtap: assembling request %s's hook outputs", request_id)
             return HookOutputs(error=f"hooks: graphtap could not assemble this request's "

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from graphtap.courier.chunks import (ERROR, GUARD, OVERFLOW, Overflow, error_message,
+from graphtap.courier.chunks import (ERROR, HELD, OVERFLOW, Overflow, error_message,
                                      is_data_key, positions_key, ragged_name)
-from graphtap.courier.guard import decisive
+from graphtap.courier.guard import outcome
 from graphtap.courier.patterns import unpack_patterns
 from graphtap.outputs import HookOutputs
 
@@ -22,13 +22,24 @@ def merge_chunks(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return {n: t[0] if len(t) == 1 else torch.cat(t) for n, t in names.items()}
 
 
-def assemble(chunks: list[dict[str, torch.Tensor]], guard=None) -> HookOutputs:
-    """`guard`: the request's GuardEntry, when it has one (its verdict is kept)."""
+def assemble(chunks: list[dict[str, torch.Tensor]], guard=None, prompt_len: int = 0,
+             held_through: int | None = None) -> HookOutputs:
+    """`guard`: the request's GuardEntry, when it has one (its verdict is computed from
+    the rows returned). `held_through`: where the request held rows on the worker
+    (courier/held.py), the positions its last held chunk must cover (its length - 1)."""
     merged = merge_chunks(chunks)
     if ERROR in merged:
         return HookOutputs(error=error_message(merged[ERROR]))
     if OVERFLOW in merged:
         return HookOutputs(error=Overflow.from_tensor(merged[OVERFLOW]).message())  # the first
+    if held_through is not None:
+        came = int(merged[HELD].max()) if HELD in merged else 0
+        if came < held_through:
+            return HookOutputs(error=(
+                f"hooks.probe: the request ended at a step the worker did not see coming "
+                f"(an abort, or a finish decided outside vLLM's stop checks): its probe "
+                f"rows came home through position {came - 1} of {held_through - 1}, and "
+                f"its outputs were withheld rather than returned incomplete"))
     out = HookOutputs()
     for key in merged:
         if (name := ragged_name(key)) is not None:
@@ -49,10 +60,11 @@ def assemble(chunks: list[dict[str, torch.Tensor]], guard=None) -> HookOutputs:
             rows, pos = rows[keep], pos[keep]
         out[name], out.positions[name] = _own(rows), _own(pos)
     if guard is not None:
-        verdict = decisive(merged[GUARD].reshape(-1, 3), guard.kind) if GUARD in merged \
-            else {"score": None, "position": None, "flagged": False}
+        rows = {k: v for name in guard.sources if name in out
+                for k, v in ((name, out[name]), (positions_key(name), out.positions[name]))}
         out.guard = {"kind": guard.kind, "threshold": guard.threshold,
-                     "action": "stop" if guard.stop else "annotate", **verdict}
+                     "action": "stop" if guard.stop else "annotate",
+                     **outcome(guard, prompt_len, rows)}
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 
 OVERFLOW = "graphtap:overflow"  # key of an overflow report in a chunk
 ERROR = "graphtap:error"  # key of a worker's refusal of a request (UTF-8 bytes)
-GUARD = "graphtap:guard"  # a guard's verdict in a step: [score, position, flagged]
+HELD = "graphtap:held"  # a held family's chunk: [positions computed when it was sent]
 FINISH = "hooks:finish"  # vLLM's HOOK_FINISH (patch 0007): the scheduler finishes it
 
 

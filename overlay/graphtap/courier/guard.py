@@ -1,14 +1,15 @@
-"""Runtime guards, evaluated in the worker as each step's rows arrive on the host (after
-the copy, on the output thread: never on the step's critical path): a flagged request
-gets its verdict in the step's chunk, and with "stop" the FINISH key, on which vLLM's
-scheduler finishes it (finish_reason "guard", patch 0007). The frontend keeps the
-decisive verdict: the first flagged one, else the extreme score seen."""
+"""Runtime guards, in the worker as each step's rows arrive on the host (after the copy,
+on the output thread: never on the step's critical path): a request whose stopping guard
+flags gets the FINISH key in the step's chunk, on which vLLM's scheduler finishes it
+(finish_reason "guard", patch 0007). The verdict a request returns (the first flagged
+row, else the extreme score) is the frontend's, from the rows it returns (assemble.py):
+nothing per step travels for it."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from graphtap.courier.chunks import FINISH, GUARD, positions_key
+from graphtap.courier.chunks import FINISH, positions_key
 
 
 def verdict(guard, prompt_len: int, chunk: dict[str, torch.Tensor]):
@@ -51,26 +52,21 @@ def verdict(guard, prompt_len: int, chunk: dict[str, torch.Tensor]):
 
 
 def apply_guards(out: dict[str, dict[str, torch.Tensor]], guards: dict) -> None:
-    """Add each guarded request's verdict (and FINISH where it stops) to its chunk."""
+    """Add FINISH to the chunk of each request whose stopping guard flags its rows."""
     for req, (guard, prompt_len) in guards.items():
         chunk = out.get(req)
-        if not chunk:
+        if not chunk or not guard.stop:
             continue
         found = verdict(guard, prompt_len, chunk)
-        if found is None:
-            continue
-        score, position, flagged = found
-        chunk[GUARD] = torch.from_numpy(np.array([score, position, flagged], np.float64))
-        if flagged and guard.stop:
+        if found is not None and found[2]:
             chunk[FINISH] = torch.ones(1, dtype=torch.int8)
 
 
-def decisive(rows: torch.Tensor, kind: str) -> dict:
-    """The request's verdict from its steps' [score, position, flagged] rows."""
-    flagged = rows[:, 2] > 0
-    if bool(flagged.any()):
-        i = int(rows[flagged, 1].argmin())
-        row = rows[flagged][i]
-    else:  # the extreme: lowest focus, highest probe score
-        row = rows[int(rows[:, 0].argmin() if kind == "attention_focus" else rows[:, 0].argmax())]
-    return {"score": float(row[0]), "position": int(row[1]), "flagged": bool(row[2] > 0)}
+def outcome(guard, prompt_len: int, rows: dict) -> dict:
+    """A finished request's verdict from the rows it returns (name and positions_key
+    -> tensor): the first flagged row, else the extreme score; None without rows."""
+    found = verdict(guard, prompt_len, rows)
+    if found is None:
+        return {"score": None, "position": None, "flagged": False}
+    score, position, flagged = found
+    return {"score": score, "position": position, "flagged": bool(flagged)}

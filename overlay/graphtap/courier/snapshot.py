@@ -23,9 +23,11 @@ SLOT_COLUMN = int(Label.SLOT)
 class StepSnapshots:
     """The snapshots of one step (rows, patterns), handed to vLLM's courier as one."""
 
-    def __init__(self, parts: list["LabelledStep"], guards: dict | None = None):
+    def __init__(self, parts: list["LabelledStep"], guards: dict | None = None,
+                 batch=None):
         self.parts = parts
         self.guards = guards or {}  # req_id -> (GuardEntry, prompt_len) of the batch
+        self.batch = batch  # courier.held.StepBatch, where a part is held
 
     def release_device(self) -> None:  # nested in another: its parts release in per_request
         pass
@@ -36,13 +38,25 @@ class StepSnapshots:
             for part in self.parts:
                 part.to_cpu_nonblocking()
 
-    def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
+    def per_request(self, step=None) -> dict[str, dict[str, torch.Tensor]]:
+        """`step`: the step's ModelRunnerOutput (sampled tokens), which says what held
+        rows go home now (courier/held.py); without it every held request's do."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         with torch.profiler.record_function("graphtap.per_request"):
             for part in self.parts:
                 part.release_device()  # the copy is done (after the copy event)
-                for req, tensors in part.per_request().items():
+                holder = getattr(part, "held", None)
+                found = part.overflow() if holder is not None else part.per_request()
+                for req, tensors in found.items():
                     out.setdefault(req, {}).update(tensors)
+                if holder is not None:
+                    holder.add(*part.host_rows(), part.slot_to_req)
+                    due = holder.due(self.batch, step) + holder.flagged(
+                        *part.host_rows(), part.slot_to_req, self.guards)
+                    through = dict(zip(self.batch.req_ids, self.batch.computed_after.tolist()))
+                    for req, tensors in holder.flush(list(dict.fromkeys(due)),
+                                                     through).items():
+                        out.setdefault(req, {}).update(tensors)
             if self.guards:
                 from graphtap.courier.guard import apply_guards
 
@@ -88,6 +102,14 @@ class LabelledStep:
 
     def release_device(self) -> None:
         self._device = None
+
+    def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The used rows' labels and values as host arrays of their own (the pinned
+        copies go back to the allocator), for a held family (courier/held.py)."""
+        if getattr(self, "_host", None) is None:
+            used = min(int(self.count[0]), self.rows.shape[0])
+            self._host = (self.labels[:used].numpy().copy(), self.rows[:used].numpy().copy())
+        return self._host
 
     def per_request(self) -> dict[str, dict[str, torch.Tensor]]:
         return {**self._gathered(), **self.overflow()}  # the lost ones: their error

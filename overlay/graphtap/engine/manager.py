@@ -15,6 +15,7 @@ from vllm.v1.worker.gpu.hooks import HookManager, hook_config
 import graphtap.ops  # noqa: F401  registers the graph ops before any trace
 from graphtap.config import HookConfig, load_hook_config
 from graphtap.courier import StepSnapshots
+from graphtap.courier.held import Ending, StepBatch
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.families.mass import MassFamily
 from graphtap.engine.families.pattern import PatternFamily
@@ -91,9 +92,11 @@ class EngineHooks(HookManager):
             CaptureFamily(tables.ops.capture, tables.capture, tables.slots,
                           widths=widths, **rows)]
         self.probes = tables.probe is not None
+        self.max_len = mc.max_model_len
         if self.probes:
-            self.families.append(ProbeFamily(tables.ops.probe, tables.probe, tables.slots,
-                                             bank=bank, **rows))
+            self.probe_family = ProbeFamily(tables.ops.probe, tables.probe, tables.slots,
+                                            bank=bank, **rows)
+            self.families.append(self.probe_family)
         if patterns:
             self.families.append(PatternFamily(tables.ops.pattern, tables.pattern, tables.slots,
                                                key_caches=tables.ops.key_caches, **rows))
@@ -140,6 +143,9 @@ class EngineHooks(HookManager):
         spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
         for family in self.families:
             family.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, spec)
+        if self.probes and params is not None:
+            self.probe_family.hold(new_req_data.req_id, Ending.of(
+                params, new_req_data.prompt_len, self.max_len))
         self._guards.pop(new_req_data.req_id, None)
         if spec.guard is not None:  # evaluated by the courier as the step's rows arrive
             self._guards[new_req_data.req_id] = (spec.guard, new_req_data.prompt_len)
@@ -188,10 +194,14 @@ class EngineHooks(HookManager):
         if dummy_run:
             return None
         with torch.profiler.record_function("graphtap.collect"):  # profile_capture.py
-            parts = [p for p in (family.snapshot() for family in self.families)
-                     if p is not None]
+            parts = []
+            for family in self.families:
+                part = family.snapshot()
+                if part is not None:  # a family's own set (rows and refusals) flattened
+                    parts.extend(part.parts if isinstance(part, StepSnapshots) else [part])
             if not parts:
                 return None
             guards = {r: self._guards[r] for r in input_batch.req_ids if r in self._guards} \
                 if self._guards else None
-            return StepSnapshots(parts, guards)
+            held = any(getattr(p, "held", None) is not None for p in parts)
+            return StepSnapshots(parts, guards, StepBatch.of(input_batch) if held else None)

@@ -16,7 +16,7 @@ from graphtap.courier import LabelledStep, OverflowKind, StepRows
 from graphtap.engine.family import FamilyBase
 from graphtap.engine.slots import SlotBlock
 from graphtap.engine.tables import EntryFields
-from graphtap.engine.wanted import Wants, positions_end, rows_in_step
+from graphtap.engine.wanted import WantTable, Wants, positions_end, rows_in_step
 from graphtap.ops.tables import Label, RowTables
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import position_bitmap
@@ -44,6 +44,8 @@ class RowFamily(FamilyBase):
         # slot -> past its last wanted position, 0 without entries (rows_in_step's
         # one-pass prefilter)
         self._ends = np.zeros(tables.entry_site.shape[0], np.int64)
+        self._table = WantTable()  # the same, vectorised over the batch
+        self._table._max_len = max_len
         # (slot -> req_id, row bound, positions end) of the current step
         self._step: tuple | None = None
         self._idle = True
@@ -82,6 +84,7 @@ class RowFamily(FamilyBase):
         self.remove_request(req_id)
         f = self.fields
         self.reset_slot(slot)
+        self._table.drop(slot)
         site, pos = self.slots.host_view(f.site)[slot], self.slots.host_view(f.pos)[slot]
         formats, wanted = {}, Wants(self.max_len)
         entries = self.entries(spec)
@@ -98,6 +101,7 @@ class RowFamily(FamilyBase):
             self._formats[slot] = formats
             self._slot_of[req_id] = slot
             self._wanted[req_id] = wanted
+            self._table.set(slot, wanted)
 
     def remove_request(self, req_id: str) -> None:
         if req_id in self._slot_of:
@@ -106,6 +110,7 @@ class RowFamily(FamilyBase):
             self._cols.pop(slot, None)
             self._ends[slot] = 0
             del self._wanted[req_id]
+            self._table.drop(slot)
             self.reset_slot(slot)  # inactive again (written with the next staged writes)
 
     def reset_slot(self, slot: int) -> None:
@@ -122,16 +127,22 @@ class RowFamily(FamilyBase):
         return req_id in self._slot_of
 
     # ---------------------------------------------------------------- steps
-    def plan(self, input_batch) -> list[tuple[int, str, int]]:
-        """(batch row, request id, row bound) of the requests that may want rows now."""
-        return rows_in_step(self._wanted, input_batch, self._ends) if self._wanted else []
+    def plan(self, input_batch) -> int:
+        """A bound on the rows the batch's requests may want now (0: none)."""
+        if not self._wanted:
+            return 0
+        bound = self._table.bound(input_batch)
+        if bound is None:  # no host view of positions: the loop's answer
+            bound = sum(rows for _, _, rows in rows_in_step(self._wanted, input_batch,
+                                                            self._ends))
+        return bound
 
     def route(self, input_batch, router, plan) -> None:
         n = input_batch.num_tokens_after_padding
         self.backend.route_rows(self.t, router.tok_slot[:n], router.tok_row[:n],
                                 input_batch.positions[:n], self.max_len)
         self._idle = False
-        bound = min(sum(rows for _, _, rows in plan), self.t.rows)
+        bound = min(plan, self.t.rows)
         # Rows are attributed (and overflow reported) for every request of the batch
         # with entries, not only those the host expects to want rows now: the device
         # routes them all, so a wrong host window can cost a step's bound (reported as

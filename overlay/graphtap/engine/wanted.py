@@ -36,6 +36,76 @@ class Wants:
                    for mask, per in self._by_rule.values())
 
 
+class WantTable:
+    """Every live request's wanted positions as runs, for one numpy pass per step: the
+    bound rows_in_step computes, without a Python iteration per request (its loop was
+    ~10 us a request per step on the H200 host: 2 % of a decode step at 16 requests
+    whose probe scores every generated token)."""
+
+    def __init__(self):
+        self._by_slot: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}
+        self._flat: tuple[np.ndarray, ...] | None = None
+
+    def set(self, slot: int, wants: Wants) -> None:
+        self._by_slot[slot] = [(*_runs(mask), per) for mask, per in wants._by_rule.values()]
+        self._flat = None
+
+    def drop(self, slot: int) -> None:
+        if self._by_slot.pop(slot, None) is not None:
+            self._flat = None
+
+    def bound(self, input_batch) -> int | None:
+        """rows_in_step's total for the batch, or None without a host view of positions
+        (the caller's loop handles that)."""
+        computed = getattr(input_batch, "num_computed_tokens_np", None)
+        slots = getattr(input_batch, "idx_mapping_np", None)
+        if computed is None or slots is None:
+            return None
+        if not self._by_slot:
+            return 0
+        start, end, rule, rule_slot, per = self._table()
+        if not len(rule_slot):
+            return 0
+        n = len(input_batch.req_ids)
+        slots = np.asarray(slots[:n], np.int64)
+        tokens = np.asarray(input_batch.num_scheduled_tokens[:n], np.int64)
+        lo = computed[:n].astype(np.int64)
+        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+        if drafts is not None:
+            lo = lo - drafts[:n]
+        hi = np.minimum(computed[:n].astype(np.int64) + tokens, self._max_len)
+        size = max(int(slots.max(initial=0)), int(rule_slot.max())) + 1
+        lo_s, hi_s, tok_s = (np.zeros(size, np.int64) for _ in range(3))
+        lo_s[slots], hi_s[slots], tok_s[slots] = np.maximum(lo, 0), hi, tokens
+        at = rule_slot[rule]
+        overlap = np.minimum(end, hi_s[at]) - np.maximum(start, lo_s[at])
+        counts = np.bincount(rule, np.maximum(overlap, 0), minlength=len(rule_slot))
+        return int((np.minimum(counts, tok_s[rule_slot]) * per).sum())
+
+    def _table(self) -> tuple[np.ndarray, ...]:
+        if self._flat is None:
+            starts, ends, rules, rule_slot, per = [], [], [], [], []
+            for slot, runs in self._by_slot.items():
+                for s, e, w in runs:
+                    rules.append(np.full(len(s), len(rule_slot), np.int64))
+                    starts.append(s)
+                    ends.append(e)
+                    rule_slot.append(slot)
+                    per.append(w)
+            cat = (lambda a: np.concatenate(a) if a else np.zeros(0, np.int64))  # noqa: E731
+            self._flat = (cat(starts), cat(ends), cat(rules), np.array(rule_slot, np.int64),
+                          np.array(per, np.int64))
+        return self._flat
+
+    _max_len = np.iinfo(np.int64).max  # set per family (RowFamily)
+
+
+def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) of each run of True in mask."""
+    edges = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
+    return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+
+
 def rows_in_step(wants: dict[str, Wants], input_batch,
                  ends: np.ndarray | None = None) -> list[tuple[int, str, int]]:
     """(batch row, request id, bound on its rows) of the requests whose wanted positions

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from graphtap.courier import CaptureStep, OverflowKind, RequestErrors, RowFormat, StepSnapshots
+from graphtap.courier.held import Ending, HeldRows, NoRows
 from graphtap.courier.rows import HOST_LABELS
 from graphtap.engine.families.vectors import BankFull, VectorBank
 from graphtap.engine.rows import RowFamily
@@ -28,6 +29,8 @@ class ProbeFamily(RowFamily):
         self.extra, self.bank = fields, bank
         self.extra_fields = (fields.vec, fields.bias, fields.act)
         self.site_names = {i: f"probe:{n}" for i, n in self.site_names.items()}
+        # Scores stay on the host of the worker until the request may finish.
+        self.held = HeldRows(self.site_names)
         self._keys: dict[str, list[str]] = {}  # req_id -> bank keys it holds
         self._rows: list[list[int]] = []  # bank rows of the request being added
         self._refused: dict[str, str] = {}
@@ -71,8 +74,15 @@ class ProbeFamily(RowFamily):
         view(x.bias)[slot, i, :len(rows)] = entry.bias
         view(x.act)[slot, i] = int(entry.sigmoid)
 
+    def hold(self, req_id: str, ending: Ending) -> None:
+        """Hold the request's rows until a step `ending` says may finish it."""
+        if req_id in self._slot_of:
+            widths = {site: f.width for site, f in self._formats[self._slot_of[req_id]].items()}
+            self.held.add_request(req_id, widths, ending)
+
     def remove_request(self, req_id: str) -> None:
         self._refused.pop(req_id, None)
+        self.held.remove_request(req_id)
         super().remove_request(req_id)
         for key in self._keys.pop(req_id, []):
             self.bank.release(key)
@@ -80,8 +90,15 @@ class ProbeFamily(RowFamily):
     def apply_staged_writes(self) -> None:
         self.bank.apply()  # shared with steering: whichever runs first writes the rows
 
+    def stats(self) -> dict:
+        return {**super().stats(), **self.held.stats()}
+
     def snapshot(self):
         step = super().snapshot()
+        if step is not None:
+            step.held = self.held
+        elif self.held:
+            step = NoRows(self.held)
         if not self._refused:
             return step
         errors, self._refused = RequestErrors(self._refused), {}

@@ -1,0 +1,234 @@
+"""Small rows held on the worker until the request may finish: a probe scores every
+generated token, and a chunk of its own per request and step (the split, then tensors
+serialised by the engine core and decoded by the frontend) cost more than the score;
+benchmarks/results has the H200 figures. A held family's step rows are appended here
+as arrays, whatever the batch, and a request's rows go home as one chunk at a step that
+may finish it: a sampled token that stops it, its length cap, a stop string or a
+repetition check (vLLM decides those where graphtap cannot look: every step), a guard
+that flags it, or held bytes past their bound. The chunk carries HELD, the positions
+computed so far, and the frontend refuses to return rows whose last chunk falls short
+of the request's length (courier/assemble.py): a finish nobody foresaw fails the
+request's outputs with the reason, it never returns them incomplete.
+
+A request that leaves the batch unfinished (preemption) loses what is held: its
+recomputation runs every position again, and the new rows are the ones returned."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphtap.courier.chunks import HELD, positions_key
+from graphtap.courier.rows import POSITION, SITE, SLOT
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What may finish a request at a step, as vLLM's check_stop sees it."""
+
+    stops: frozenset[int]  # eos (unless ignore_eos) and stop_token_ids
+    cap: int  # tokens (prompt + output) at which the length cap finishes it
+    every_step: bool  # stop strings or repetition detection: undecidable here
+
+    @classmethod
+    def of(cls, params, prompt_len: int, max_model_len: int) -> "Ending":
+        stops = set(params.stop_token_ids or ())
+        if params.eos_token_id is not None:
+            stops.add(params.eos_token_id)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        return cls(frozenset(stops), min(prompt_len + max_tokens, max_model_len),
+                   bool(params.stop) or params.repetition_detection is not None)
+
+    def may_finish(self, tokens: list[int], total: int) -> bool:
+        """`total`: the request's tokens after this step's `tokens` were sampled."""
+        return (self.every_step or total >= self.cap
+                or any(t in self.stops for t in tokens))
+
+
+class HeldRows:
+    """One family's held rows (float32 score rows labelled slot, site, position)."""
+
+    def __init__(self, site_names: dict[int, str], max_bytes: int = 64 << 20):
+        self.site_names = site_names
+        self._site_ids = {name: i for i, name in site_names.items()}
+        self.max_bytes = max_bytes
+        self._next = 0
+        self._serial: dict[str, int] = {}  # req_id -> serial of its current life
+        self._widths: dict[int, dict[int, int]] = {}  # serial -> site -> columns
+        self._ending: dict[str, Ending] = {}
+        # step arrays, in arrival order: (serial [n], site [n], position [n], rows [n, w])
+        self._parts: list[tuple[np.ndarray, ...]] = []
+        self._bytes = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, req_id: str, widths: dict[int, int], ending: Ending) -> None:
+        self.remove_request(req_id)
+        self._serial[req_id] = serial = self._next
+        self._next += 1
+        self._widths[serial] = widths
+        self._ending[req_id] = ending
+
+    def remove_request(self, req_id: str) -> None:
+        serial = self._serial.pop(req_id, None)
+        if serial is not None:
+            self._ending.pop(req_id, None)
+            del self._widths[serial]  # its rows are dropped at the next compaction
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._serial
+
+    def __bool__(self) -> bool:  # any request held (its steps must be looked at)
+        return bool(self._serial)
+
+    def stats(self) -> dict:
+        return {"held_requests": len(self._serial), "held_bytes": self._bytes}
+
+    # ---------------------------------------------------------------- steps
+    def add(self, labels: np.ndarray, rows: np.ndarray, slot_to_req: dict[int, str]) -> None:
+        """A step's used rows (host copies of its own), labelled by the step's slots."""
+        if not len(labels):
+            return
+        serial_of = np.full(int(labels[:, SLOT].max()) + 1, -1, np.int64)
+        for slot, req in slot_to_req.items():
+            serial = self._serial.get(req)
+            if serial is not None and slot < len(serial_of):
+                serial_of[slot] = serial
+        serials = serial_of[labels[:, SLOT]]
+        keep = (serials >= 0) & (labels[:, SITE] >= 0)
+        if not keep.any():
+            return
+        part = (serials[keep], labels[keep, SITE].astype(np.int64),
+                labels[keep, POSITION].astype(np.int64), rows[keep])
+        self._parts.append(part)
+        self._bytes += sum(a.nbytes for a in part)
+
+    def due(self, batch: "StepBatch", step) -> list[str]:
+        """The batch's held requests this step may finish (or all, past the bound)."""
+        if step is None or self._bytes > self.max_bytes:
+            return [r for r in batch.req_ids if r in self._serial]
+        sampled = _sampled_by_request(step)
+        out = []
+        for req, total in zip(batch.req_ids, batch.computed_after.tolist()):
+            ending = self._ending.get(req)
+            if ending is None:
+                continue
+            tokens = sampled.get(req, ())
+            if ending.may_finish(tokens, total + len(tokens)):
+                out.append(req)
+        return out
+
+    def flagged(self, labels: np.ndarray, rows: np.ndarray, slot_to_req: dict[int, str],
+                guards: dict) -> list[str]:
+        """The step's requests whose stopping guard reads this family and flags one of
+        the step's rows (a score past the threshold at a generated position): they go
+        home now, and the guard's FINISH then stops them (courier/guard.py)."""
+        stops = [(slot, req, guards[req]) for slot, req in slot_to_req.items()
+                 if req in guards and guards[req][0].stop
+                 and guards[req][0].sources[0] in self._site_ids]
+        if not stops or not len(labels):
+            return []
+        size = int(labels[:, SLOT].max()) + 1
+        threshold = np.full(size, np.inf)
+        site, column = np.full(size, -2, np.int64), np.zeros(size, np.int64)
+        start = np.zeros(size, np.int64)
+        for slot, _, (guard, prompt_len) in stops:
+            if slot < size:
+                threshold[slot], column[slot] = guard.threshold, guard.column
+                site[slot], start[slot] = self._site_ids[guard.sources[0]], prompt_len
+        s = labels[:, SLOT]
+        hit = ((labels[:, SITE] == site[s]) & (labels[:, POSITION] >= start[s])
+               & (rows[np.arange(len(s)), column[s]] > threshold[s]))
+        return [slot_to_req[x] for x in np.unique(s[hit]).tolist() if x in slot_to_req]
+
+    def flush(self, reqs: list[str], through: dict[str, int]) -> dict[str, dict]:
+        """Each request's held rows as one chunk (sites by name, positions, HELD), and
+        those rows dropped (with every row of requests no longer held)."""
+        if not reqs:  # rows of requests gone since wait for the next flush's compaction
+            return {}
+        serial, site, pos, rows = self._joined()
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for req in reqs:
+            s = self._serial.get(req)
+            if s is None:
+                continue
+            mine = serial == s
+            chunk: dict[str, torch.Tensor] = {}
+            for site_id, width in self._widths[s].items():
+                at = mine & (site == site_id)
+                name = self.site_names[site_id]
+                chunk[name] = _tensor(rows[at, :width])
+                chunk[positions_key(name)] = _tensor(pos[at])
+            chunk[HELD] = torch.tensor([through.get(req, 0)], dtype=torch.int64)
+            out[req] = chunk
+        gone = {self._serial[r] for r in out}
+        live = np.array(sorted(self._widths.keys() - gone), np.int64)
+        keep = np.isin(serial, live)
+        self._parts = [(serial[keep], site[keep], pos[keep], rows[keep])] if keep.any() else []
+        self._bytes = sum(a.nbytes for p in self._parts for a in p)
+        return out
+
+    def _joined(self) -> tuple[np.ndarray, ...]:
+        if not self._parts:
+            return (np.zeros(0, np.int64),) * 3 + (np.zeros((0, 1), np.float32),)
+        if len(self._parts) > 1:
+            width = max(p[3].shape[1] for p in self._parts)
+            rows = np.concatenate([p[3] if p[3].shape[1] == width else
+                                   np.pad(p[3], ((0, 0), (0, width - p[3].shape[1])))
+                                   for p in self._parts])
+            self._parts = [tuple(np.concatenate([p[i] for p in self._parts])
+                                 for i in range(3)) + (rows,)]
+        return self._parts[0]
+
+
+class NoRows:
+    """A step in which a held family wrote no rows: its held requests of the batch may
+    still finish (a probe of prompt positions, decoding), so the step set asks."""
+
+    slot_to_req: dict[int, str] = {}
+
+    def __init__(self, held: HeldRows):
+        self.held = held
+
+    def to_cpu_nonblocking(self) -> None:
+        pass
+
+    def release_device(self) -> None:
+        pass
+
+    def overflow(self) -> dict:
+        return {}
+
+    def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((0, 3), np.int64), np.zeros((0, 1), np.float32)
+
+
+@dataclass
+class StepBatch:
+    """The batch a step ran, as the host saw it at the step's end."""
+
+    req_ids: list[str]
+    computed_after: np.ndarray  # per batch row: tokens computed once the step ran
+
+    @classmethod
+    def of(cls, input_batch) -> "StepBatch":
+        n = input_batch.num_reqs
+        computed = getattr(input_batch, "num_computed_tokens_np", None)
+        scheduled = np.asarray(input_batch.num_scheduled_tokens[:n], np.int64)
+        after = scheduled if computed is None else computed[:n].astype(np.int64) + scheduled
+        return cls(list(input_batch.req_ids[:n]), after)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor of its own. Not torch.from_numpy of an empty selection: numpy gives it
+    stride 0, which vLLM's msgpack encoder cannot view as bytes, and the engine core's
+    output thread died of it (the engine then hung: a request with no generated row)."""
+    if not a.size:
+        return torch.empty(a.shape, dtype=torch.from_numpy(a[:0].copy()).dtype)
+    return torch.from_numpy(np.ascontiguousarray(a).copy())
+
+
+def _sampled_by_request(step) -> dict[str, list[int]]:
+    if step is None or not getattr(step, "sampled_token_ids", None):
+        return {}
+    return dict(zip(step.req_ids, step.sampled_token_ids))
