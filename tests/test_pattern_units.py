@@ -235,8 +235,7 @@ def test_rows_in_step_prefilter_matches_the_loop():
             num_scheduled_tokens=rng.integers(1, 8, n),
             num_draft_tokens_per_req=rng.integers(0, 3, n) if rng.random() < 0.5 else None)
         assert rows_in_step(wants, batch, ends) == rows_in_step(wants, batch)
-        table = WantTable()
-        table._max_len = L
+        table = WantTable(L)
         for i, slot in enumerate(slots):
             if f"r{i}" in wants:
                 table.set(int(slot), wants[f"r{i}"])

@@ -44,8 +44,7 @@ class RowFamily(FamilyBase):
         # slot -> past its last wanted position, 0 without entries (rows_in_step's
         # one-pass prefilter)
         self._ends = np.zeros(tables.entry_site.shape[0], np.int64)
-        self._table = WantTable()  # the same, vectorised over the batch
-        self._table._max_len = max_len
+        self._table = WantTable(max_len)  # the same, vectorised over the batch
         # (slot -> req_id, row bound, positions end) of the current step
         self._step: tuple | None = None
         self._idle = True

@@ -42,7 +42,8 @@ class WantTable:
     ~10 us a request per step on the H200 host: 2 % of a decode step at 16 requests
     whose probe scores every generated token)."""
 
-    def __init__(self):
+    def __init__(self, max_len: int):
+        self._max_len = max_len
         self._by_slot: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}
         self._flat: tuple[np.ndarray, ...] | None = None
 
@@ -96,8 +97,6 @@ class WantTable:
             self._flat = (cat(starts), cat(ends), cat(rules), np.array(rule_slot, np.int64),
                           np.array(per, np.int64))
         return self._flat
-
-    _max_len = np.iinfo(np.int64).max  # set per family (RowFamily)
 
 
 def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
