@@ -150,7 +150,7 @@ def held(snapshot: dict) -> dict:
     for i, worker in enumerate(snapshot.get("workers") or []):
         for family, counts in worker.items():
             out.update({f"worker{i}.{family}.{k}": v for k, v in counts.items()
-                        if v and k != "vectors_resident"})
+                        if v and k != "vectors_resident" and not k.endswith("_total")})
     if not snapshot.get("workers"):
         out["workers"] = "no stats from the workers"
     return out

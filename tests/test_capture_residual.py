@@ -41,7 +41,7 @@ def engine(llama_path, save_root):
     llm = make_llm(llama_path, hook_manager="graphtap", block_size=32, enable_prefix_caching=True,
                    max_num_batched_tokens=48,
                    hook_config={"capture_rows": 512, "save_root": str(save_root),
-                                "sites": ENGINE_SITES})
+                                "sites": ENGINE_SITES, "probe_ring": 16})
     yield llm
     shutdown(llm)
 
@@ -238,3 +238,7 @@ def test_probe_rows_come_home_however_the_request_ends(engine, llama_path):
         torch.testing.assert_close(out.hooks[f"probe:{site}"][:, 0], own[keep], rtol=1e-5,
                                    atol=1e-5 * own.abs().max().item())
     assert outs[-1].hooks.error is None  # the plain capture beside them
+    (stats,) = engine.collective_rpc("graphtap_hook_stats")
+    # decode steps left the scores in the device ring (probe_ring 16: read when half
+    # full, and when a request may finish)
+    assert stats["probe"]["ring_steps_total"] > 0 and stats["probe"]["ring_reads_total"] > 3

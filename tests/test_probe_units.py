@@ -125,8 +125,8 @@ def test_kernel_and_reference_score_like_the_formula(with_other):
     other = torch.randn(N, H) if with_other else None
     ref, bank, tok_slot = _tables()
     tri, _, _ = _tables()
-    probe_reference(ref, bank, tok_slot, x, other, 1)
-    probe_triton(tri, bank, tok_slot, x, other, 1)
+    probe_reference(ref, bank, tok_slot, x, other, torch.arange(N), 1)
+    probe_triton(tri, bank, tok_slot, x, other, torch.arange(N), 1)
     stream = x + (other if with_other else 0)
     for row, tok in [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 8)]:
         slot = int(tok_slot[tok])
@@ -176,7 +176,8 @@ def test_family_scores_and_splits_per_request():
     router.route(batch)
     fam.route(batch, router, plan)
     x = torch.randn(6, H)
-    probe_reference(et.ops.probe, et.ops.steer.bank, et.ops.tok_slot, x, None, 1)
+    probe_reference(et.ops.probe, et.ops.steer.bank, et.ops.tok_slot, x, None,
+                    batch.positions, 1)
     step = fam.snapshot()
     step.to_cpu_nonblocking()
     out = step.per_request()["a"]
@@ -201,10 +202,12 @@ def test_family_scores_and_splits_per_request():
         assert ("a" in got) == comes
     rows = got["a"][f"probe:{SITE}"]
     assert rows.shape == (8, 2) and got["a"][HELD].tolist() == [4]  # both steps' rows
-    torch.testing.assert_close(rows[4:], want, atol=1e-5, rtol=1e-5)
+    for twice in (rows[0::2], rows[1::2]):  # the same positions twice, in position order
+        torch.testing.assert_close(twice, want, atol=1e-5, rtol=1e-5)
     assert fam.stats()["held_requests"] == 1 and fam.stats()["held_bytes"] == 0
     fam.remove_request("a")
-    assert bank.held() == 0 and fam.stats() == {"requests": 0, "active_slots": 0,
-                                                "held_requests": 0, "held_bytes": 0}
+    assert bank.held() == 0 and fam.stats() == {
+        "requests": 0, "active_slots": 0, "held_requests": 0, "held_bytes": 0,
+        "ring_requests": 0, "ring_steps_total": 0, "ring_reads_total": 0}
     et.slots.apply()
     assert (et.ops.probe.entry_vec[1] == 0).all()

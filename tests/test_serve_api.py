@@ -593,7 +593,7 @@ def held(snapshot) -> dict:
     for i, worker in enumerate(snapshot["workers"] or []):
         for family, counts in worker.items():
             out.update({f"worker{i}.{family}.{k}": v for k, v in counts.items()
-                        if v and k != "vectors_resident"})
+                        if v and k != "vectors_resident" and not k.endswith("_total")})
     return out
 
 

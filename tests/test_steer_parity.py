@@ -31,7 +31,8 @@ def steer_engine(request):
     path = request.getfixturevalue(f"{model}_path")
     cfg = AutoConfig.from_pretrained(path)
     llm = make_llm(path, eager=eager, hook_manager="graphtap",
-                   hook_config={"sites": ENGINE_SITES})
+                   # a small probe ring: decoding probes read it several times a request
+                   hook_config={"sites": ENGINE_SITES, "probe_ring": 16})
     yield llm, path, cfg.hidden_size, cfg.num_hidden_layers
     shutdown(llm)
 

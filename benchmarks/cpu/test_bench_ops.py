@@ -232,3 +232,48 @@ def test_probe_guard_step(benchmark, reqs):
 
     out = benchmark.pedantic(lambda snap, o: snap.per_request(o), setup=step, rounds=200)
     assert out == {}
+
+
+@pytest.mark.parametrize("reqs", [16, 64])
+def test_probe_ring_decode_step(benchmark, reqs):
+    """A probe's per-step host work in the worker while `reqs` probed requests decode
+    with the ring (engine/families/probe_ring.py): the plan finds a ring step (no
+    routing, no rows), the step set asks whether any request may finish (none does).
+    Compare test_probe_guard_step: the held rows of one step (routed, cloned, copied)."""
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.held import Ending, StepBatch
+    from graphtap.engine.families.probe import RING_STEP, ProbeFamily
+    from graphtap.spec.entries import ProbeEntry
+
+    sites = SiteTable(expand_patterns(["blocks.16.hook_resid_post"], 32))
+    et = allocate(Sizes(max_reqs=R, max_tokens=512, max_len=L, num_sites=1, hidden=H,
+                        steer_width=H, dtype=torch.float32, max_steers=E, max_vectors=V,
+                        max_captures=4, capture_rows=16, capture_width=H, pattern_rows=16,
+                        num_heads=32, patterns=False, max_probes=1, probe_width=1,
+                        probe_rows=256, probe_ring=256), TORCH, torch.device("cpu"))
+    fam = ProbeFamily(et.ops.probe, et.probe, et.slots, backend=TORCH, sites=sites,
+                      max_len=L, model_dtype=torch.float32, bank=VectorBank(et.ops.steer))
+    weights = np.ones(H, np.float32).tobytes()
+    spec = NormalisedSpec(probe=(ProbeEntry(16, "resid_post", "probe:blocks.16.hook_resid_post",
+                                            (weights,), ("w",), (0.0,), False, "generated"),))
+    ids = [f"r{i}" for i in range(reqs)]
+    for i, r in enumerate(ids):
+        fam.add_request(i, r, 256, spec)
+        fam.hold(r, Ending(frozenset({2}), cap=1 << 30, every_step=False))
+    et.slots.apply()
+    computed = np.arange(reqs) + 300
+    batch = SimpleNamespace(req_ids=ids, num_reqs=reqs, num_tokens=reqs,
+                            num_tokens_after_padding=reqs, idx_mapping_np=np.arange(reqs),
+                            num_computed_tokens_np=computed,
+                            num_scheduled_tokens=np.ones(reqs, np.int32))
+    output = SimpleNamespace(req_ids=ids, sampled_token_ids=[[5]] * reqs)
+    router = None
+
+    def step():
+        plan = fam.plan(batch)
+        assert plan is RING_STEP
+        fam.route(batch, router, plan)
+        part = fam.snapshot()
+        return StepSnapshots([part], None, StepBatch.of(batch)).per_request(output)
+
+    assert benchmark(step) == {}

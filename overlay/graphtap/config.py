@@ -29,6 +29,12 @@ class HookConfig(BaseModel):
     probe_rows: int = Field(4096, ge=1)
     """Rows of the device probe-score buffer per step (one per position and probed
     site, probe_width float32 scores each); overflow is reported like capture_rows."""
+    probe_ring: int = Field(256, ge=16, le=65536)
+    """Generated positions' probe scores per request slot and entry in the device ring
+    (engine/families/probe_ring.py): a decode step writes them there, inside the graph,
+    instead of routing rows home every step. The host reads a request's ring when it is
+    half full or the request may finish; a step that runs more than a quarter of it for
+    one request routes rows instead."""
     max_spans: int = Field(8, ge=1, le=64)
     """Key spans per attention_mass entry."""
     mass_rows: int = Field(1024, ge=1)

@@ -11,7 +11,11 @@ of the request's length (courier/assemble.py): a finish nobody foresaw fails the
 request's outputs with the reason, it never returns them incomplete.
 
 A request that leaves the batch unfinished (preemption) loses what is held: its
-recomputation runs every position again, and the new rows are the ones returned."""
+recomputation runs every position again, and the new rows are the ones returned.
+
+Generated positions may come from a device ring instead of step rows (the probe's,
+engine/families/probe_ring.py): `reader` reads a request's ring when it goes home or
+its ring fills, and the rows join the held ones."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphtap.courier.chunks import HELD, positions_key
+from graphtap.courier.chunks import ERROR, HELD, error_tensor, positions_key
 from graphtap.courier.rows import POSITION, SITE, SLOT
 
 
@@ -42,15 +46,16 @@ class Ending:
 
     def may_finish(self, tokens: list[int], total: int) -> bool:
         """`total`: the request's tokens after this step's `tokens` were sampled."""
-        return (self.every_step or total >= self.cap
-                or any(t in self.stops for t in tokens))
+        return self.every_step or total >= self.cap or not self.stops.isdisjoint(tokens)
 
 
 class HeldRows:
     """One family's held rows (float32 score rows labelled slot, site, position)."""
 
-    def __init__(self, site_names: dict[int, str], max_bytes: int = 64 << 20):
+    def __init__(self, site_names: dict[int, str], max_bytes: int = 64 << 20,
+                 reader=None):
         self.site_names = site_names
+        self.reader = reader  # engine.families.probe_ring.ProbeRing, or None
         self._site_ids = {name: i for i, name in site_names.items()}
         self.max_bytes = max_bytes
         self._next = 0
@@ -60,6 +65,7 @@ class HeldRows:
         # step arrays, in arrival order: (serial [n], site [n], position [n], rows [n, w])
         self._parts: list[tuple[np.ndarray, ...]] = []
         self._bytes = 0
+        self._failed: dict[str, str] = {}  # req_id -> why its rows cannot all come home
 
     # ---------------------------------------------------------------- requests
     def add_request(self, req_id: str, widths: dict[int, int], ending: Ending) -> None:
@@ -71,6 +77,7 @@ class HeldRows:
 
     def remove_request(self, req_id: str) -> None:
         serial = self._serial.pop(req_id, None)
+        self._failed.pop(req_id, None)
         if serial is not None:
             self._ending.pop(req_id, None)
             del self._widths[serial]  # its rows are dropped at the next compaction
@@ -85,6 +92,53 @@ class HeldRows:
         return {"held_requests": len(self._serial), "held_bytes": self._bytes}
 
     # ---------------------------------------------------------------- steps
+    def step(self, labels: np.ndarray, rows: np.ndarray, slot_to_req: dict[int, str],
+             batch: "StepBatch", step, guards: dict) -> dict[str, dict]:
+        """One step's rows in; the chunks of the requests that go home now out. `step`:
+        the step's ModelRunnerOutput (sampled tokens), None: every held request goes."""
+        self.add(labels, rows, slot_to_req)
+        due = list(dict.fromkeys(self.due(batch, step)
+                                 + self.flagged(labels, rows, slot_to_req, guards)))
+        reads = due
+        if self.reader is not None:
+            reads = list(dict.fromkeys(due + self.reader.filling(
+                batch.req_ids, batch.computed_after.tolist())))
+        if not reads:
+            return {}
+        through = {r: t for r, t in zip(batch.req_ids, batch.computed_after.tolist())
+                   if r in reads}
+        if self.reader is not None:
+            for req in reads:
+                found = self.reader.read(req, through.get(req, 0))
+                if found is not None and req in self._serial:
+                    self.take(req, found)
+        return self.flush(due, through)
+
+    def take(self, req_id: str, read) -> None:
+        """A ring read's rows (engine/families/probe_ring.RingRead) joined to the held
+        ones, positions the held rows have (routed) left to them; a wanted position in
+        neither fails the request's rows."""
+        serial = self._serial[req_id]
+        serials, sites, positions, _ = self._joined()
+        mine = serials == serial
+        for site, want in read.expected.items():
+            routed = positions[mine & (sites == site)]
+            pos, rows = read.found[site]
+            new = ~np.isin(pos, routed)
+            lost = np.setdiff1d(want, np.concatenate([routed, pos]))
+            if lost.size and req_id not in self._failed:
+                self._failed[req_id] = (
+                    f"hooks.probe: {lost.size} wanted position(s) from {int(lost[0])} at "
+                    f"{self.site_names[site]} were overwritten in the device ring before "
+                    f"they were read (raise hook_config.probe_ring); its probe rows were "
+                    f"withheld rather than returned incomplete")
+            if new.any():
+                part = (np.full(int(new.sum()), serial, np.int64),
+                        np.full(int(new.sum()), site, np.int64), pos[new].astype(np.int64),
+                        np.ascontiguousarray(rows[new], np.float32))
+                self._parts.append(part)
+                self._bytes += sum(a.nbytes for a in part)
+
     def add(self, labels: np.ndarray, rows: np.ndarray, slot_to_req: dict[int, str]) -> None:
         """A step's used rows (host copies of its own), labelled by the step's slots."""
         if not len(labels):
@@ -154,8 +208,11 @@ class HeldRows:
                 continue
             mine = serial == s
             chunk: dict[str, torch.Tensor] = {}
+            if req in self._failed:
+                chunk[ERROR] = error_tensor(self._failed.pop(req))
             for site_id, width in self._widths[s].items():
-                at = mine & (site == site_id)
+                at = np.flatnonzero(mine & (site == site_id))
+                at = at[np.argsort(pos[at], kind="stable")]  # ring rows join out of order
                 name = self.site_names[site_id]
                 chunk[name] = _tensor(rows[at, :width])
                 chunk[positions_key(name)] = _tensor(pos[at])

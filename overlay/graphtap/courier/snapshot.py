@@ -50,12 +50,8 @@ class StepSnapshots:
                 for req, tensors in found.items():
                     out.setdefault(req, {}).update(tensors)
                 if holder is not None:
-                    holder.add(*part.host_rows(), part.slot_to_req)
-                    due = holder.due(self.batch, step) + holder.flagged(
-                        *part.host_rows(), part.slot_to_req, self.guards)
-                    through = dict(zip(self.batch.req_ids, self.batch.computed_after.tolist()))
-                    for req, tensors in holder.flush(list(dict.fromkeys(due)),
-                                                     through).items():
+                    for req, tensors in holder.step(*part.host_rows(), part.slot_to_req,
+                                                    self.batch, step, self.guards).items():
                         out.setdefault(req, {}).update(tensors)
             if self.guards:
                 from graphtap.courier.guard import apply_guards

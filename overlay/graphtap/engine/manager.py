@@ -49,7 +49,8 @@ def _sizes(vllm_config, config: HookConfig, sites, patterns: bool,
                  capture_width=capture_width, pattern_rows=config.pattern_rows,
                  num_heads=mc.get_num_attention_heads(pc), patterns=patterns,
                  max_probes=config.max_probes, probe_width=config.probe_width,
-                 probe_rows=config.probe_rows, max_spans=config.max_spans,
+                 probe_rows=config.probe_rows,
+                 probe_ring=config.probe_ring, max_spans=config.max_spans,
                  mass_rows=config.mass_rows)
 
 
@@ -118,7 +119,7 @@ class EngineHooks(HookManager):
         torch.ops.graphtap.steer_resid_(x, other, positions, site)
         torch.ops.graphtap.capture_resid_(x, other, site)
         if self.probes:
-            torch.ops.graphtap.probe_resid_(x, other, site)
+            torch.ops.graphtap.probe_resid_(x, other, positions, site)
 
     def attention_slot(self, layer_name, kind, sink, *tensors) -> None:
         layer = hook_layer_index(layer_name)

@@ -10,7 +10,8 @@ import torch
 from graphtap.engine.slots import SlotBlock, SlotField, SlotLayout
 from graphtap.ops.backend import Backend
 from graphtap.ops.tables import (LABEL_DTYPE, LABELS, ROUTE_MIN_BLOCK, Label, MassTables,
-                                 OpTables, ProbeTables, RowTables, SteerTables)
+                                 OpTables, ProbeTables, RING_NEVER, RowTables,
+                                 SteerTables)
 from graphtap.spec.positions import bitmap_words
 
 
@@ -36,6 +37,7 @@ class Sizes:
     max_probes: int = 0  # probe entries per request (0: no probe tables, no probe op)
     probe_width: int = 8
     probe_rows: int = 1
+    probe_ring: int = 16  # generated positions per slot and entry in the probe ring
     max_spans: int = 8  # attention mass (with patterns): spans per entry
     mass_rows: int = 1
 
@@ -78,6 +80,7 @@ class ProbeFields:
     vec: SlotField
     bias: SlotField
     act: SlotField
+    ring_from: SlotField  # [1]: positions from here on go to the ring (never: RING_NEVER)
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,8 @@ def allocate(s: Sizes, backend: Backend, device: torch.device) -> EngineTables:
         probe = ProbeFields(_entries(layout, c, words, None),
                             layout.reserve((c, p), torch.int32, 0),
                             layout.reserve((c, p), torch.float32, 0.0),
-                            layout.reserve((c,), torch.int32, 0))
+                            layout.reserve((c,), torch.int32, 0),
+                            layout.reserve((1,), torch.int32, RING_NEVER))
     mass = MassFields(_entries(layout, s.max_captures, words, s.num_heads),
                       layout.reserve((s.max_captures, s.max_spans, 2), torch.int32, 0)) \
         if s.patterns else None
@@ -177,7 +181,12 @@ def allocate(s: Sizes, backend: Backend, device: torch.device) -> EngineTables:
         backend=backend,
         probe=_rows(s, block, probe.entries, s.probe_rows, s.probe_width, torch.float32, True,
                     device, ProbeTables, entry_vec=block.view(probe.vec),
-                    entry_bias=block.view(probe.bias), entry_act=block.view(probe.act))
+                    entry_bias=block.view(probe.bias), entry_act=block.view(probe.act),
+                    ring_from=block.view(probe.ring_from),
+                    ring=torch.zeros((s.max_reqs + 1, s.max_probes, s.probe_ring,
+                                      s.probe_width), **f32),
+                    ring_pos=torch.full((s.max_reqs + 1, s.max_probes, s.probe_ring), -1,
+                                        dtype=torch.int32, device=device))
         if probe is not None else None,
         mass=_rows(s, block, mass.entries, s.mass_rows, s.max_spans, torch.float32, False,
                    device, MassTables, entry_spans=block.view(mass.spans))

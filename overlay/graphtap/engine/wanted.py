@@ -58,16 +58,22 @@ class WantTable:
     def bound(self, input_batch) -> int | None:
         """rows_in_step's total for the batch, or None without a host view of positions
         (the caller's loop handles that)."""
+        rows = self.rows(input_batch)
+        return None if rows is None else int(rows.sum())
+
+    def rows(self, input_batch) -> np.ndarray | None:
+        """rows_in_step's bound per batch row (int64 [num_reqs]), or None without a host
+        view of positions."""
         computed = getattr(input_batch, "num_computed_tokens_np", None)
         slots = getattr(input_batch, "idx_mapping_np", None)
         if computed is None or slots is None:
             return None
+        n = len(input_batch.req_ids)
         if not self._by_slot:
-            return 0
+            return np.zeros(n, np.int64)
         start, end, rule, rule_slot, per = self._table()
         if not len(rule_slot):
-            return 0
-        n = len(input_batch.req_ids)
+            return np.zeros(n, np.int64)
         slots = np.asarray(slots[:n], np.int64)
         tokens = np.asarray(input_batch.num_scheduled_tokens[:n], np.int64)
         lo = computed[:n].astype(np.int64)
@@ -81,7 +87,8 @@ class WantTable:
         at = rule_slot[rule]
         overlap = np.minimum(end, hi_s[at]) - np.maximum(start, lo_s[at])
         counts = np.bincount(rule, np.maximum(overlap, 0), minlength=len(rule_slot))
-        return int((np.minimum(counts, tok_s[rule_slot]) * per).sum())
+        by_rule = np.minimum(counts, tok_s[rule_slot]) * per
+        return np.bincount(rule_slot, by_rule, minlength=size)[slots].astype(np.int64)
 
     def _table(self) -> tuple[np.ndarray, ...]:
         if self._flat is None:

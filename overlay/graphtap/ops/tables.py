@@ -32,6 +32,7 @@ class Label(IntEnum):
 
 
 LABELS = len(Label)
+RING_NEVER = 2**31 - 1  # ProbeTables.ring_from of a slot whose probes use no ring
 LABEL_DTYPE = torch.int64
 ROUTE_MIN_BLOCK = 16  # smallest token block of the routing kernels (route_triton.py)
 
@@ -122,11 +123,23 @@ class ProbeTables(RowTables):
       entry_vec[R+1, C, P]   rows of the steering bank (shared, content-keyed) holding
                              the weight vectors; 0 (the zero row) for unused scores
       entry_bias[R+1, C, P]  biases; entry_act[R+1, C]: 1 = sigmoid, 0 = none
+    and the ring of generated positions' scores (engine/families/probe_ring.py):
+      ring_from[R+1, 1]      a token at a position >= this, wanted by its entry and routed
+                             nowhere, writes the ring; RING_NEVER (the default) never
+      ring[R+1, C, G, P]     its scores at [slot, entry, position % G]
+      ring_pos[R+1, C, G]    the position each ring row holds (its label), -1 = none
     """
 
     entry_vec: torch.Tensor = None
     entry_bias: torch.Tensor = None
     entry_act: torch.Tensor = None
+    ring_from: torch.Tensor = None
+    ring: torch.Tensor = None
+    ring_pos: torch.Tensor = None
+
+    @property
+    def ring_size(self) -> int:
+        return self.ring.shape[2]
 
 
 @dataclass

@@ -1,18 +1,31 @@
 """Probes: linear probes scored on the device at residual sites (ops/probe*.py), one
 buffer row of P float32 scores per wanted (site, token), returned per request as
-`probe:<site>` like a capture. Their weight vectors live in the steering bank (content-
-keyed, refcounted), which the frontend's admission already bounds."""
+`probe:<site>` like a capture; generated positions' scores wait in a device ring
+instead while the request decodes (probe_ring.py). Their weight vectors live in the
+steering bank (content-keyed, refcounted), which the frontend's admission already
+bounds."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from graphtap.courier import CaptureStep, OverflowKind, RequestErrors, RowFormat, StepSnapshots
 from graphtap.courier.held import Ending, HeldRows, NoRows
 from graphtap.courier.rows import HOST_LABELS
+from graphtap.engine.families.probe_ring import ProbeRing, RingEntry
 from graphtap.engine.families.vectors import BankFull, VectorBank
 from graphtap.engine.rows import RowFamily
 from graphtap.engine.tables import ProbeFields
 from graphtap.spec.entries import NormalisedSpec
+from graphtap.spec.positions import position_mask
+
+
+class RingStep:
+    """A step whose probed requests' wanted positions all go to the ring: the router
+    maps tokens to slots, the probe routes no rows."""
+
+
+RING_STEP = RingStep()
 
 
 class ProbeFamily(RowFamily):
@@ -27,10 +40,12 @@ class ProbeFamily(RowFamily):
                  **kwargs):
         super().__init__(tables, fields.entries, slots, *args, **kwargs)
         self.extra, self.bank = fields, bank
-        self.extra_fields = (fields.vec, fields.bias, fields.act)
+        self.extra_fields = (fields.vec, fields.bias, fields.act, fields.ring_from)
         self.site_names = {i: f"probe:{n}" for i, n in self.site_names.items()}
-        # Scores stay on the host of the worker until the request may finish.
-        self.held = HeldRows(self.site_names)
+        self.ring = ProbeRing(tables, tables.entry_site.shape[0])
+        # Scores stay on the worker (the device ring, then its host) until the request
+        # may finish.
+        self.held = HeldRows(self.site_names, reader=self.ring)
         self._keys: dict[str, list[str]] = {}  # req_id -> bank keys it holds
         self._rows: list[list[int]] = []  # bank rows of the request being added
         self._refused: dict[str, str] = {}
@@ -66,6 +81,22 @@ class ProbeFamily(RowFamily):
         self._rows = []
         if held:
             self._keys[req_id] = held
+        self._use_ring(slot, req_id, prompt_len, spec)
+
+    def _use_ring(self, slot: int, req_id: str, prompt_len: int,
+                  spec: NormalisedSpec) -> None:
+        """Generated positions go to the ring, unless a stopping probe guard needs every
+        step's scores on the host."""
+        guard = spec.guard
+        entries = []
+        if not (guard is not None and guard.stop and guard.kind == "probe"):
+            for i, entry in enumerate(spec.probe):
+                mask = position_mask(entry.positions, prompt_len, self.max_len)
+                if mask[prompt_len:].any():
+                    entries.append(RingEntry(i, self.sites.id_of(entry.layer, entry.kind),
+                                             mask, len(entry.vectors)))
+        self.slots.host_view(self.extra.ring_from)[slot, 0] = self.ring.add_request(
+            slot, req_id, prompt_len, entries)
 
     def write_extra(self, slot: int, i: int, entry) -> None:
         x, view = self.extra, self.slots.host_view
@@ -83,15 +114,43 @@ class ProbeFamily(RowFamily):
     def remove_request(self, req_id: str) -> None:
         self._refused.pop(req_id, None)
         self.held.remove_request(req_id)
+        self.ring.remove_request(req_id)
         super().remove_request(req_id)
         for key in self._keys.pop(req_id, []):
             self.bank.release(key)
+
+    def plan(self, input_batch):
+        """The rows bound, or RING_STEP when every batch row that may want rows now is
+        one the ring takes whole (decoding): no routing, no rows."""
+        if not self._wanted:
+            return 0
+        rows = self._table.rows(input_batch)
+        if rows is None:
+            return super().plan(input_batch)
+        wanting = np.flatnonzero(rows)
+        if not len(wanting):
+            return 0
+        computed = input_batch.num_computed_tokens_np[wanting].astype(np.int64)
+        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+        lo = computed - drafts[wanting] if drafts is not None else computed
+        tokens = np.asarray(input_batch.num_scheduled_tokens, np.int64)[wanting]
+        if self.ring.serves(np.asarray(input_batch.idx_mapping_np, np.int64)[wanting], lo,
+                            tokens).all():
+            return RING_STEP
+        return int(rows.sum())
+
+    def route(self, input_batch, router, plan) -> None:
+        if plan is RING_STEP:
+            self.deactivate()  # every token routes nowhere; the op fills the ring
+            self.ring.steps += 1
+        else:
+            super().route(input_batch, router, plan)
 
     def apply_staged_writes(self) -> None:
         self.bank.apply()  # shared with steering: whichever runs first writes the rows
 
     def stats(self) -> dict:
-        return {**super().stats(), **self.held.stats()}
+        return {**super().stats(), **self.held.stats(), **self.ring.stats()}
 
     def snapshot(self):
         step = super().snapshot()

@@ -1,0 +1,136 @@
+"""The probe ring: generated positions' probe scores stay on the device, in a ring per
+request slot and entry that the probe op fills inside the graph (ops/probe.py), until the
+host reads a request's ring: at a step that may finish it (courier/held.py says which)
+or once its unread positions reach half the ring. A decode step of probed requests then
+routes nothing, clones nothing and copies nothing home; those per-step rows were what a
+probe cost at 16 requests a second on the H200 (benchmarks/results).
+
+Rows still carry what routed rows do: prompt positions, and the whole of any step in
+which a probed request runs more than a quarter of the ring at once (a chunked prefill,
+a recomputation after preemption) or has a stopping probe guard (which needs every
+step's scores on the host), are routed as before; the ring takes the wanted positions
+at or past the prompt that routed nowhere. Each ring row holds the position it was
+written for, written with it. A read keeps the rows whose label is the position it
+expects, leaves positions that came as routed rows to those, and fails the request if a
+wanted position is in neither: never a short set.
+
+Async scheduling runs one step ahead while a read copies: a step writes at most a
+quarter of the ring per request and reads start at half, so the rows read are never
+the ones being overwritten; the labels would say so if they were."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphtap.ops.tables import RING_NEVER, ProbeTables
+
+
+@dataclass
+class RingEntry:
+    entry: int  # index among the slot's probe entries
+    site: int
+    mask: np.ndarray  # bool over positions: the entry's wanted positions
+    width: int  # scores per row
+
+
+@dataclass
+class _Request:
+    slot: int
+    start: int  # the first position not read yet
+    entries: list[RingEntry]
+
+
+@dataclass
+class RingRead:
+    """What one read found for a request: per entry, the positions it expected (wanted,
+    in [start, through)) and the ring's rows for those of them it holds."""
+
+    expected: dict[int, np.ndarray]  # site -> positions
+    found: dict[int, tuple[np.ndarray, np.ndarray]]  # site -> (positions, rows)
+
+
+class ProbeRing:
+    """The host side of the ring: who uses it, from where, and its reads."""
+
+    def __init__(self, t: ProbeTables, slots: int):
+        self.t = t
+        self.size = t.ring_size
+        self.step_limit = self.size // 4  # tokens of one request a ring step may run
+        self._reqs: dict[str, _Request] = {}
+        self.steps = self.reads = 0  # counters (stats: *_total, not held state)
+        self.ring_from = np.full(slots, RING_NEVER, np.int64)  # host mirror, per slot
+        device = t.ring.device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        pin = device.type == "cuda"
+        self._host = (torch.empty(t.ring.shape[1:], dtype=t.ring.dtype, pin_memory=pin),
+                      torch.empty(t.ring_pos.shape[1:], dtype=t.ring_pos.dtype,
+                                  pin_memory=pin))
+
+    def add_request(self, slot: int, req_id: str, prompt_len: int,
+                    entries: list[RingEntry]) -> int:
+        """The slot's ring_from: the prompt's end, or RING_NEVER without entries."""
+        self.remove_request(req_id)
+        if not entries:
+            self.ring_from[slot] = RING_NEVER
+            return RING_NEVER
+        self._reqs[req_id] = _Request(slot, prompt_len, entries)
+        self.ring_from[slot] = prompt_len
+        return prompt_len
+
+    def remove_request(self, req_id: str) -> None:
+        r = self._reqs.pop(req_id, None)
+        if r is not None:
+            self.ring_from[r.slot] = RING_NEVER
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
+    def stats(self) -> dict:
+        return {"ring_requests": len(self._reqs), "ring_steps_total": self.steps,
+                "ring_reads_total": self.reads}
+
+    def serves(self, slots: np.ndarray, lo: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Per batch row (slot, first position, tokens): whether the ring takes all that
+        the row may want this step."""
+        return (lo >= self.ring_from[slots]) & (tokens <= self.step_limit)
+
+    def filling(self, req_ids: list[str], through: list[int]) -> list[str]:
+        """The requests whose unread positions reached half the ring."""
+        half = self.size // 2
+        return [r for r, t in zip(req_ids, through)
+                if (x := self._reqs.get(r)) is not None and t - x.start >= half]
+
+    def read(self, req_id: str, through: int) -> RingRead | None:
+        """The request's ring rows of positions [start, through), and what it wanted
+        there; start moves to through. None: nothing to read."""
+        r = self._reqs.get(req_id)
+        if r is None or through <= r.start:
+            return None
+        vals, labels = self._fetch(r.slot)
+        self.reads += 1
+        pos = np.arange(r.start, through)
+        expected, found = {}, {}
+        for e in r.entries:
+            want = pos[e.mask[r.start:through]]
+            if not len(want):
+                continue
+            expected[e.site] = want
+            here = labels[e.entry, want % self.size] == want
+            found[e.site] = (want[here], vals[e.entry, want[here] % self.size, :e.width])
+        r.start = through
+        return RingRead(expected, found)
+
+    def _fetch(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The slot's ring and labels on the host. On a GPU on a stream of its own: the
+        step whose rows are read has finished (its output copy event), the one running
+        now writes other rows of the ring."""
+        vals, labels = self._host
+        if self._stream is None:
+            return self.t.ring[slot].numpy().copy(), self.t.ring_pos[slot].numpy().copy()
+        with torch.cuda.stream(self._stream):
+            vals.copy_(self.t.ring[slot], non_blocking=True)
+            labels.copy_(self.t.ring_pos[slot], non_blocking=True)
+        self._stream.synchronize()
+        return vals.numpy().copy(), labels.numpy().copy()
