@@ -196,23 +196,15 @@ def test_steps_that_capture_nothing_route_nothing():
         [(0, "probe", 3), (1, "all", 3 + 2)]
     no_view = SimpleNamespace(req_ids=["probe"], num_scheduled_tokens=np.array([5]))
     assert rows_in_step(wants, no_view) == [(0, "probe", 3)]
-    # The one-pass prefilter (slot -> end of wanted positions) gives the same answers.
-    ends = np.array([0, probe.end, 0, full.end, 0])  # slots 1 and 3; 0, 2, 4 hold nothing
-    for computed, scheduled, drafts in (([0] * 3, [6] * 3, None), ([6] * 3, [4] * 3, None),
-                                        ([12] * 3, [1] * 3, None), ([10] * 3, [1] * 3, None),
-                                        ([11] * 3, [3] * 3, np.array([2, 2, 0]))):
-        batch = step(computed, scheduled, drafts)
-        batch.idx_mapping_np = np.array([1, 3, 4])
-        assert rows_in_step(wants, batch, ends) == rows_in_step(wants, batch), computed
     # Pattern snapshots copy key columns up to the batch's last position (drafts included).
     batch = step([11, 11, 11], [3, 3, 3], np.array([2, 2, 0]))
     batch.num_reqs = 3
     assert positions_end(batch, L) == 14 and positions_end(no_view, L) == L
 
 
-def test_rows_in_step_prefilter_matches_the_loop():
-    """Random batches: the prefiltered pass returns exactly what the per-row loop does,
-    and the vectorised table (one numpy pass per step) its total."""
+def test_the_want_table_matches_the_loop():
+    """Random batches: the vectorised table (one numpy pass per step) gives each batch
+    row the bound the per-request loop does, and their total."""
     from graphtap.engine.wanted import WantTable, Wants, rows_in_step
 
     rng = np.random.default_rng(0)
@@ -220,7 +212,7 @@ def test_rows_in_step_prefilter_matches_the_loop():
     for _ in range(200):
         n = int(rng.integers(1, 12))
         slots = rng.permutation(16)[:n]
-        wants, ends = {}, np.zeros(17, np.int64)
+        wants = {}
         for i, slot in enumerate(slots):
             if rng.random() < 0.3:
                 continue  # a request without entries
@@ -228,19 +220,23 @@ def test_rows_in_step_prefilter_matches_the_loop():
             for _ in range(int(rng.integers(1, 3))):
                 w.add(rules[int(rng.integers(len(rules)))], int(rng.integers(1, 20)),
                       int(rng.integers(1, 4)))
-            wants[f"r{i}"], ends[slot] = w, w.end
+            wants[f"r{i}"] = w
         batch = SimpleNamespace(
             req_ids=[f"r{i}" for i in range(n)], idx_mapping_np=slots,
             num_computed_tokens_np=rng.integers(0, L, n),
             num_scheduled_tokens=rng.integers(1, 8, n),
             num_draft_tokens_per_req=rng.integers(0, 3, n) if rng.random() < 0.5 else None)
-        assert rows_in_step(wants, batch, ends) == rows_in_step(wants, batch)
         table = WantTable(L)
         for i, slot in enumerate(slots):
             if f"r{i}" in wants:
                 table.set(int(slot), wants[f"r{i}"])
         table.set(16, wants.get("r0", Wants(L)))  # a live request not in this batch
-        assert table.bound(batch) == sum(r for _, _, r in rows_in_step(wants, batch))
+        loop = rows_in_step(wants, batch)
+        assert table.bound(batch) == sum(r for _, _, r in loop)
+        per_row = np.zeros(n, np.int64)
+        for i, _, r in loop:
+            per_row[i] = r
+        assert table.rows(batch).tolist() == per_row.tolist()
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it():

@@ -9,7 +9,6 @@ recomputation after preemption capture what really ran.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from graphtap.courier import LabelledStep, OverflowKind, StepRows
@@ -41,10 +40,7 @@ class RowFamily(FamilyBase):
         self._cols: dict[int, int] = {}  # slot -> buffer columns its formats read
         self._slot_of: dict[str, int] = {}
         self._wanted: dict[str, Wants] = {}  # req_id -> positions its entries want
-        # slot -> past its last wanted position, 0 without entries (rows_in_step's
-        # one-pass prefilter)
-        self._ends = np.zeros(tables.entry_site.shape[0], np.int64)
-        self._table = WantTable(max_len)  # the same, vectorised over the batch
+        self._table = WantTable(max_len)  # every live request's, vectorised over a batch
         # (slot -> req_id, row bound, positions end) of the current step
         self._step: tuple | None = None
         self._idle = True
@@ -95,7 +91,6 @@ class RowFamily(FamilyBase):
             self.write_extra(slot, i, entry)
             formats[sid], per_token = self.describe(entry, dtype)
             wanted.add(entry.positions, prompt_len, per_token)
-        self._ends[slot] = wanted.end if entries else 0
         if entries:
             self._formats[slot] = formats
             self._slot_of[req_id] = slot
@@ -107,7 +102,6 @@ class RowFamily(FamilyBase):
             slot = self._slot_of.pop(req_id)
             self._formats.pop(slot, None)
             self._cols.pop(slot, None)
-            self._ends[slot] = 0
             del self._wanted[req_id]
             self._table.drop(slot)
             self.reset_slot(slot)  # inactive again (written with the next staged writes)
@@ -132,8 +126,7 @@ class RowFamily(FamilyBase):
             return 0
         bound = self._table.bound(input_batch)
         if bound is None:  # no host view of positions: the loop's answer
-            bound = sum(rows for _, _, rows in rows_in_step(self._wanted, input_batch,
-                                                            self._ends))
+            bound = sum(rows for _, _, rows in rows_in_step(self._wanted, input_batch))
         return bound
 
     def route(self, input_batch, router, plan) -> None:

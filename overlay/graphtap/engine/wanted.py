@@ -112,35 +112,19 @@ def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
 
 
-def rows_in_step(wants: dict[str, Wants], input_batch,
-                 ends: np.ndarray | None = None) -> list[tuple[int, str, int]]:
+def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, int]]:
     """(batch row, request id, bound on its rows) of the requests whose wanted positions
-    may fall in this step's tokens. Host-side, so it may err towards routing: with
-    speculative decoding the host's computed-token count can run ahead by the rejected
-    drafts, and the window widens by them. Requests that want
-    nothing now (a last_prompt capture while decoding) then cost nothing on the device,
-    and the bound sizes the step's copy to the host (a last_prompt probe's prefill
-    copies one row per entry, not one per prompt token).
-
-    `ends` (slot -> Wants.end, 0 for a slot without entries) lets one numpy pass drop
-    the batch rows whose window starts past everything they want: every row of a decode
-    step of last-prompt probes, which otherwise cost a Python iteration each (~0.5 us
-    here, 64 rows per step at 64 requests; more on the H200's host) on each step's
-    critical path."""
+    may fall in this step's tokens: WantTable's answer, one request at a time, which the
+    families use where the batch has no host view of positions (and tests hold the table
+    to). Host-side, so it may err towards routing: with speculative decoding the host's
+    computed-token count can run ahead by the rejected drafts, and the window widens by
+    them. Requests that want nothing now (a last_prompt capture while decoding) then
+    cost nothing on the device, and the bound sizes the step's copy to the host (a
+    last_prompt probe's prefill copies one row per entry, not one per prompt token)."""
     computed = getattr(input_batch, "num_computed_tokens_np", None)
     drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
-    req_ids = input_batch.req_ids
-    rows = range(len(req_ids))
-    slots = getattr(input_batch, "idx_mapping_np", None)
-    if ends is not None and computed is not None and slots is not None:
-        n = len(req_ids)
-        lo = computed[:n].astype(np.int64)
-        if drafts is not None:
-            lo -= drafts[:n]
-        rows = np.flatnonzero(np.maximum(lo, 0) < ends[slots[:n]]).tolist()
     out = []
-    for i in rows:
-        r = req_ids[i]
+    for i, r in enumerate(input_batch.req_ids):
         want = wants.get(r)
         if want is None:
             continue
