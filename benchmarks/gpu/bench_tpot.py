@@ -66,9 +66,23 @@ def engine_args(args, path: str, cfg: dict, memory: float | None = None):
     if memory is not None:  # engines sharing the device (bench_twin.py)
         kw.update(gpu_memory_utilization=memory)
     if args.variant == "graphtap":
+        from graphtap.runner_info import WORKER_EXTENSION
+
         kw.update(hook_manager="graphtap", hook_config=hook_config(
-            cfg, args.modes.split(",") + args.burst_modes.split(",")))
+            cfg, args.modes.split(",") + args.burst_modes.split(",")),
+            worker_extension_cls=WORKER_EXTENSION)
     return AsyncEngineArgs(**kw)
+
+
+async def hook_counters(engine) -> dict:
+    """The workers' cumulative graphtap counters (stats keys *_total: ring steps and
+    reads, the host time reads took), so a run's figures say what its steps did."""
+    try:
+        workers = await engine.collective_rpc("graphtap_hook_stats")
+    except Exception as e:  # a stock engine, or an older overlay
+        return {"error": repr(e)}
+    return {f"{family}.{k}": v for family, counts in (workers[0] or {}).items()
+            for k, v in counts.items() if k.endswith("_total")}
 
 
 async def one_request(engine, rid: str, ids: list[int], params, start_at: float, t0: float):
@@ -200,6 +214,8 @@ async def bench(args) -> dict:
                                        mode_hooks(mode, cfg, vec, args.input_len),
                                        burst)
                     r["mode"] = mode
+                    if args.variant == "graphtap":
+                        r["hook_counters"] = await hook_counters(engine)
                     result["runs"].append(r)
                     print(json.dumps(r), flush=True)
                 write_result(result, out)

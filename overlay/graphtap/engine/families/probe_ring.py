@@ -19,6 +19,7 @@ quarter of the ring per request and reads start at half, so the rows read are ne
 the ones being overwritten; the labels would say so if they were."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,7 @@ class ProbeRing:
         self.step_limit = self.size // 4  # tokens of one request a ring step may run
         self._reqs: dict[str, _Request] = {}
         self.steps = self.reads = 0  # counters (stats: *_total, not held state)
+        self.read_s = 0.0  # host time in reads (a read waits for its copy)
         self.ring_from = np.full(slots, RING_NEVER, np.int64)  # host mirror, per slot
         device = t.ring.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -89,7 +91,8 @@ class ProbeRing:
 
     def stats(self) -> dict:
         return {"ring_requests": len(self._reqs), "ring_steps_total": self.steps,
-                "ring_reads_total": self.reads}
+                "ring_reads_total": self.reads,
+                "ring_read_ms_total": round(self.read_s * 1e3, 3)}
 
     def serves(self, slots: np.ndarray, lo: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Per batch row (slot, first position, tokens): whether the ring takes all that
@@ -108,7 +111,9 @@ class ProbeRing:
         r = self._reqs.get(req_id)
         if r is None or through <= r.start:
             return None
+        t0 = time.perf_counter()
         vals, labels = self._fetch(r.slot)
+        self.read_s += time.perf_counter() - t0
         self.reads += 1
         pos = np.arange(r.start, through)
         expected, found = {}, {}
