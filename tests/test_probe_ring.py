@@ -1,4 +1,4 @@
-"""The probe ring (engine/families/probe_ring.py): generated positions' scores written on
+"""The probe ring (engine/ring.py): generated positions' scores written on
 the device by the probe op instead of routed rows, read by the host when the request may
 finish or its ring fills. The op (torch reference and Triton kernel alike), the step
 plan (which steps route, which leave it to the ring), the reads, rows routed in mixed
@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from graphtap.courier import StepSnapshots
 from graphtap.courier.chunks import ERROR, HELD, error_message
 from graphtap.courier.held import Ending, StepBatch
@@ -99,8 +98,8 @@ class Engine:
         self.et.slots.apply()
         self.fam.apply_staged_writes()
 
-    def step(self, tokens: dict[str, int], sampled: dict[str, int], read=True):
-        """One step: `tokens` scheduled per request, then `sampled` per request."""
+    def batch(self, tokens: dict[str, int]):
+        """The step's input batch as the runner hands it (`tokens` per request)."""
         reqs = list(tokens)
         counts = np.array([tokens[r] for r in reqs])
         computed = np.array([self.computed[r] for r in reqs])
@@ -114,6 +113,11 @@ class Engine:
             idx_mapping=torch.from_numpy(slots), idx_mapping_np=slots,
             num_computed_tokens_np=computed, num_scheduled_tokens=counts,
             positions=torch.cat([pos, torch.zeros(2, dtype=torch.long)]))
+        return batch, pos
+
+    def step(self, tokens: dict[str, int], sampled: dict[str, int], read=True):
+        """One step: `tokens` scheduled per request, then `sampled` per request."""
+        batch, pos = self.batch(tokens)
         plan = self.fam.plan(batch)
         self.plans.append(plan)
         if plan:
@@ -219,3 +223,32 @@ def test_every_length_comes_home_whole(ring):
     assert got["a"][f"{NAME}@positions"].tolist() == list(range(4 + steps))
     torch.testing.assert_close(got["a"][NAME], want(list(range(4 + steps))), atol=1e-5,
                                rtol=1e-5)
+
+
+def test_the_one_pass_plan_agrees_with_the_want_table():
+    """Random batches of requests with random position rules, prompts and guards: where
+    the plan decides in its one pass over per-slot arrays (ring or nothing), the want
+    table decides the same (or finds nothing to route at all)."""
+    from graphtap.engine.wanted import batch_windows
+
+    rng = np.random.default_rng(1)
+    rules = ["all", "generated", "prompt", "last_prompt", [1, 3], {"start": 2, "end": 20}]
+    stop = {"kind": "probe", "threshold": 1e9, "action": "stop"}
+    shortcuts = 0
+    for trial in range(150):
+        e = Engine()
+        tokens = {}
+        for slot in rng.permutation(R)[:int(rng.integers(1, R + 1))].tolist():
+            req = f"r{slot}"
+            prompt = int(rng.integers(2, 10))
+            rule = rules[int(rng.integers(len(rules)))]
+            guarded = rule in ("all", "generated") and rng.random() < 0.3  # guards need them
+            e.add(req, slot, prompt, positions=rule, guard=stop if guarded else None)
+            e.computed[req] = int(rng.integers(0, 30))
+            tokens[req] = int(rng.integers(1, 3)) if rng.random() < 0.7 else \
+                int(rng.integers(1, 9))
+        batch, _ = e.batch(tokens)
+        fast, slow = e.fam.plan(batch), e.fam.plan_rows(batch, batch_windows(batch))
+        shortcuts += fast is RING_STEP or fast == 0
+        assert fast == slow or (fast is RING_STEP and slow == 0), (trial, fast, slow)
+    assert shortcuts > 30

@@ -237,7 +237,7 @@ def test_probe_guard_step(benchmark, reqs):
 @pytest.mark.parametrize("reqs", [16, 64])
 def test_probe_ring_decode_step(benchmark, reqs):
     """A probe's per-step host work in the worker while `reqs` probed requests decode
-    with the ring (engine/families/probe_ring.py): the plan finds a ring step (no
+    with the ring (engine/ring.py): the plan finds a ring step (no
     routing, no rows), the step set asks whether any request may finish (none does).
     Compare test_probe_guard_step: the held rows of one step (routed, cloned, copied)."""
     from graphtap.courier import StepSnapshots

@@ -31,7 +31,7 @@ class HookConfig(BaseModel):
     site, probe_width float32 scores each); overflow is reported like capture_rows."""
     probe_ring: int = Field(256, ge=16, le=65536)
     """Generated positions' probe scores per request slot and entry in the device ring
-    (engine/families/probe_ring.py): a decode step writes them there, inside the graph,
+    (engine/ring.py): a decode step writes them there, inside the graph,
     instead of routing rows home every step. The host reads a request's ring when it is
     half full or the request may finish; a step that runs more than a quarter of it for
     one request routes rows instead."""

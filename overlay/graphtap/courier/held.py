@@ -14,11 +14,12 @@ A request that leaves the batch unfinished (preemption) loses what is held: its
 recomputation runs every position again, and the new rows are the ones returned.
 
 Generated positions may come from a device ring instead of step rows (the probe's,
-engine/families/probe_ring.py): `reader` reads a request's ring when it goes home or
+engine/ring.py): `reader` reads a request's ring when it goes home or
 its ring fills, and the rows join the held ones."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -49,19 +50,26 @@ class Ending:
         return self.every_step or total >= self.cap or not self.stops.isdisjoint(tokens)
 
 
+NEVER_CAP = 1 << 62  # the cap of a request nobody holds
+
+
 class HeldRows:
     """One family's held rows (float32 score rows labelled slot, site, position)."""
 
     def __init__(self, site_names: dict[int, str], max_bytes: int = 64 << 20,
                  reader=None):
         self.site_names = site_names
-        self.reader = reader  # engine.families.probe_ring.ProbeRing, or None
+        self.reader = reader  # engine.ring.ProbeRing, or None
         self._site_ids = {name: i for i, name in site_names.items()}
         self.max_bytes = max_bytes
         self._next = 0
         self._serial: dict[str, int] = {}  # req_id -> serial of its current life
         self._widths: dict[int, dict[int, int]] = {}  # serial -> site -> columns
         self._ending: dict[str, Ending] = {}
+        # what a step's check reads without a call per request: each request's length
+        # cap (0: every step may finish it), and every stop token of any held request
+        self._cap: dict[str, int] = {}
+        self._stops: set[int] = set()
         # step arrays, in arrival order: (serial [n], site [n], position [n], rows [n, w])
         self._parts: list[tuple[np.ndarray, ...]] = []
         self._bytes = 0
@@ -74,12 +82,17 @@ class HeldRows:
         self._next += 1
         self._widths[serial] = widths
         self._ending[req_id] = ending
+        self._cap[req_id] = 0 if ending.every_step else ending.cap
+        self._stops |= ending.stops
 
     def remove_request(self, req_id: str) -> None:
         serial = self._serial.pop(req_id, None)
         self._failed.pop(req_id, None)
         if serial is not None:
             self._ending.pop(req_id, None)
+            self._cap.pop(req_id, None)
+            if not self._ending:
+                self._stops = set()
             del self._widths[serial]  # its rows are dropped at the next compaction
 
     def holds(self, req_id: str) -> bool:
@@ -161,6 +174,15 @@ class HeldRows:
         """The batch's held requests this step may finish (or all, past the bound)."""
         if step is None or self._bytes > self.max_bytes:
             return [r for r in batch.req_ids if r in self._serial]
+        tokens = getattr(step, "sampled_token_ids", None) or []
+        if self._stops.isdisjoint(chain.from_iterable(tokens)):
+            # No stop token in the step (the usual one): only a length cap or an
+            # every-step check can finish a request. `most` bounds each request's new
+            # tokens (one, or more with speculative decoding): erring early only sends
+            # a chunk sooner.
+            most, cap = max(map(len, tokens), default=1), self._cap.get
+            return [r for r, t in zip(batch.req_ids, batch.computed_after.tolist())
+                    if t + most >= cap(r, NEVER_CAP)]
         sampled = _sampled_by_request(step)
         out = []
         for req, total in zip(batch.req_ids, batch.computed_after.tolist()):
@@ -256,8 +278,10 @@ class NoRows:
     def overflow(self) -> dict:
         return {}
 
+    _EMPTY = (np.zeros((0, 3), np.int64), np.zeros((0, 1), np.float32))
+
     def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((0, 3), np.int64), np.zeros((0, 1), np.float32)
+        return self._EMPTY
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
 from graphtap.ops.tables import Label
+from graphtap.profiling import named
 
 SLOT_COLUMN = int(Label.SLOT)
 
@@ -34,7 +35,7 @@ class StepSnapshots:
 
     # Named ranges: profile_capture.py reads where the courier's host time goes.
     def to_cpu_nonblocking(self) -> None:
-        with torch.profiler.record_function("graphtap.to_cpu"):
+        with named("graphtap.to_cpu"):
             for part in self.parts:
                 part.to_cpu_nonblocking()
 
@@ -42,7 +43,7 @@ class StepSnapshots:
         """`step`: the step's ModelRunnerOutput (sampled tokens), which says what held
         rows go home now (courier/held.py); without it every held request's do."""
         out: dict[str, dict[str, torch.Tensor]] = {}
-        with torch.profiler.record_function("graphtap.per_request"):
+        with named("graphtap.per_request"):
             for part in self.parts:
                 part.release_device()  # the copy is done (after the copy event)
                 holder = getattr(part, "held", None)

@@ -25,6 +25,7 @@ from graphtap.engine.families.vectors import VectorBank
 from graphtap.engine.router import TokenRouter
 from graphtap.engine.tables import Sizes, allocate
 from graphtap.ops.backend import select_backend
+from graphtap.profiling import named
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.sites import PATTERN, RESID_KINDS
 from graphtap.support import refuse_unsupported
@@ -168,7 +169,7 @@ class EngineHooks(HookManager):
 
     # ---------------------------------------------------------------- steps
     def prepare_step(self, input_batch, dummy_run) -> None:
-        with torch.profiler.record_function("graphtap.prepare_step"):
+        with named("graphtap.prepare_step"):
             plans = [None] * len(self.families) if dummy_run else \
                 [family.plan(input_batch) for family in self.families]
             if any(plans):
@@ -194,7 +195,7 @@ class EngineHooks(HookManager):
     def collect(self, input_batch, dummy_run):
         if dummy_run:
             return None
-        with torch.profiler.record_function("graphtap.collect"):  # profile_capture.py
+        with named("graphtap.collect"):  # profile_capture.py
             parts = []
             for family in self.families:
                 part = family.snapshot()

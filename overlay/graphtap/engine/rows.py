@@ -15,7 +15,7 @@ from graphtap.courier import LabelledStep, OverflowKind, StepRows
 from graphtap.engine.family import FamilyBase
 from graphtap.engine.slots import SlotBlock
 from graphtap.engine.tables import EntryFields
-from graphtap.engine.wanted import WantTable, Wants, positions_end, rows_in_step
+from graphtap.engine.wanted import Wants, WantTable, positions_end, rows_in_step
 from graphtap.ops.tables import Label, RowTables
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import position_bitmap

@@ -9,9 +9,8 @@ import torch
 
 from graphtap.engine.slots import SlotBlock, SlotField, SlotLayout
 from graphtap.ops.backend import Backend
-from graphtap.ops.tables import (LABEL_DTYPE, LABELS, ROUTE_MIN_BLOCK, Label, MassTables,
-                                 OpTables, ProbeTables, RING_NEVER, RowTables,
-                                 SteerTables)
+from graphtap.ops.tables import (LABEL_DTYPE, LABELS, RING_NEVER, ROUTE_MIN_BLOCK, Label,
+                                 MassTables, OpTables, ProbeTables, RowTables, SteerTables)
 from graphtap.spec.positions import bitmap_words
 
 

@@ -141,6 +141,23 @@ def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, i
     return out
 
 
+def batch_windows(input_batch) -> tuple[np.ndarray, ...] | None:
+    """Per batch row: (slot, first position the step may run, tokens), int64; the
+    first position widened by the drafts (rows_in_step says why). None without a host
+    view of positions."""
+    computed = getattr(input_batch, "num_computed_tokens_np", None)
+    slots = getattr(input_batch, "idx_mapping_np", None)
+    if computed is None or slots is None:
+        return None
+    n = len(input_batch.req_ids)
+    lo = computed[:n].astype(np.int64)
+    drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+    if drafts is not None:
+        lo = lo - drafts[:n]
+    return (np.asarray(slots[:n], np.int64), lo,
+            np.asarray(input_batch.num_scheduled_tokens[:n], np.int64))
+
+
 def positions_end(input_batch, max_len: int) -> int:
     """A host-side bound on every position in the batch, plus one (no sync)."""
     computed = getattr(input_batch, "num_computed_tokens_np", None)

@@ -3,7 +3,7 @@ token row routed a probe row (ops/route*.py, like captures), its slot's entry at
 site scores it, act(<h, w_p> + b_p) for each of its P weight vectors, into the probe
 buffer; guards then move P floats per token, not the hidden state. A token routed
 nowhere whose entry wants its position, at or past its slot's ring_from, writes its
-scores into the slot's ring instead (engine/families/probe_ring.py): decode steps then
+scores into the slot's ring instead (engine/ring.py): decode steps then
 route nothing and copy nothing home.
 
 Declared as mutating the stream tensor (left alone) so that dead-code elimination keeps

@@ -123,7 +123,7 @@ class ProbeTables(RowTables):
       entry_vec[R+1, C, P]   rows of the steering bank (shared, content-keyed) holding
                              the weight vectors; 0 (the zero row) for unused scores
       entry_bias[R+1, C, P]  biases; entry_act[R+1, C]: 1 = sigmoid, 0 = none
-    and the ring of generated positions' scores (engine/families/probe_ring.py):
+    and the ring of generated positions' scores (engine/ring.py):
       ring_from[R+1, 1]      a token at a position >= this, wanted by its entry and routed
                              nowhere, writes the ring; RING_NEVER (the default) never
       ring[R+1, C, G, P]     its scores at [slot, entry, position % G]

@@ -1,7 +1,7 @@
 """Probes: linear probes scored on the device at residual sites (ops/probe*.py), one
 buffer row of P float32 scores per wanted (site, token), returned per request as
 `probe:<site>` like a capture; generated positions' scores wait in a device ring
-instead while the request decodes (probe_ring.py). Their weight vectors live in the
+instead while the request decodes (engine/ring.py). Their weight vectors live in the
 steering bank (content-keyed, refcounted), which the frontend's admission already
 bounds."""
 from __future__ import annotations
@@ -12,10 +12,11 @@ import torch
 from graphtap.courier import CaptureStep, OverflowKind, RequestErrors, RowFormat, StepSnapshots
 from graphtap.courier.held import Ending, HeldRows, NoRows
 from graphtap.courier.rows import HOST_LABELS
-from graphtap.engine.families.probe_ring import ProbeRing, RingEntry
+from graphtap.engine.ring import ProbeRing, RingEntry
 from graphtap.engine.families.vectors import BankFull, VectorBank
 from graphtap.engine.rows import RowFamily
 from graphtap.engine.tables import ProbeFields
+from graphtap.engine.wanted import batch_windows
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import position_mask
 
@@ -70,6 +71,7 @@ class ProbeFamily(RowFamily):
             flat = self.bank.acquire_all(vectors)
         except BankFull as e:  # refuse the request, never raise: the engine would die
             self.reset_slot(slot)
+            self.ring.free_slot(slot)
             self._refused[req_id] = f"hooks.probe: {e}: this request ran without its probes"
             return
         held, rows = [k for k, _ in vectors], []
@@ -87,16 +89,19 @@ class ProbeFamily(RowFamily):
                   spec: NormalisedSpec) -> None:
         """Generated positions go to the ring, unless a stopping probe guard needs every
         step's scores on the host."""
+        if not spec.probe or req_id not in self._slot_of:  # none, or refused
+            self.ring.free_slot(slot)
+            return
         guard = spec.guard
+        stops = guard is not None and guard.stop and guard.kind == "probe"
         entries = []
-        if not (guard is not None and guard.stop and guard.kind == "probe"):
-            for i, entry in enumerate(spec.probe):
-                mask = position_mask(entry.positions, prompt_len, self.max_len)
-                if mask[prompt_len:].any():
-                    entries.append(RingEntry(i, self.sites.id_of(entry.layer, entry.kind),
-                                             mask, len(entry.vectors)))
+        for i, entry in enumerate(spec.probe):
+            mask = position_mask(entry.positions, prompt_len, self.max_len)
+            if mask[prompt_len:].any():
+                entries.append(RingEntry(i, self.sites.id_of(entry.layer, entry.kind),
+                                         mask, len(entry.vectors)))
         self.slots.host_view(self.extra.ring_from)[slot, 0] = self.ring.add_request(
-            slot, req_id, prompt_len, entries)
+            slot, req_id, prompt_len, [] if stops else entries, stops and bool(entries))
 
     def write_extra(self, slot: int, i: int, entry) -> None:
         x, view = self.extra, self.slots.host_view
@@ -115,27 +120,33 @@ class ProbeFamily(RowFamily):
         self._refused.pop(req_id, None)
         self.held.remove_request(req_id)
         self.ring.remove_request(req_id)
+        if req_id in self._slot_of:
+            self.ring.free_slot(self._slot_of[req_id])
         super().remove_request(req_id)
         for key in self._keys.pop(req_id, []):
             self.bank.release(key)
 
     def plan(self, input_batch):
         """The rows bound, or RING_STEP when every batch row that may want rows now is
-        one the ring takes whole (decoding): no routing, no rows."""
+        one the ring takes whole (decoding): no routing, no rows. A decode step is
+        decided in one pass over per-slot arrays; other steps ask the want table."""
         if not self._wanted:
             return 0
+        windows = batch_windows(input_batch)
+        if windows is not None and self.ring.takes_all(*windows):
+            return RING_STEP if self.ring.uses[windows[0]].any() else 0
+        return self.plan_rows(input_batch, windows)
+
+    def plan_rows(self, input_batch, windows) -> "int | RingStep":
+        """plan() from the want table: the rows the batch's requests may want now, or
+        RING_STEP if the ring takes every one of them."""
         rows = self._table.rows(input_batch)
-        if rows is None:
+        if rows is None or windows is None:
             return super().plan(input_batch)
         wanting = np.flatnonzero(rows)
         if not len(wanting):
             return 0
-        computed = input_batch.num_computed_tokens_np[wanting].astype(np.int64)
-        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
-        lo = computed - drafts[wanting] if drafts is not None else computed
-        tokens = np.asarray(input_batch.num_scheduled_tokens, np.int64)[wanting]
-        if self.ring.serves(np.asarray(input_batch.idx_mapping_np, np.int64)[wanting], lo,
-                            tokens).all():
+        if self.ring.serves(*(a[wanting] for a in windows)).all():
             return RING_STEP
         return int(rows.sum())
 

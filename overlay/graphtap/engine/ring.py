@@ -30,6 +30,8 @@ from graphtap.ops.tables import RING_NEVER, ProbeTables
 
 @dataclass
 class RingEntry:
+    """A probe entry of a request that wants generated positions from the ring."""
+
     entry: int  # index among the slot's probe entries
     site: int
     mask: np.ndarray  # bool over positions: the entry's wanted positions
@@ -60,9 +62,15 @@ class ProbeRing:
         self.size = t.ring_size
         self.step_limit = self.size // 4  # tokens of one request a ring step may run
         self._reqs: dict[str, _Request] = {}
+        self._half_at: dict[str, int] = {}  # req_id -> where its unread reach half the ring
         self.steps = self.reads = 0  # counters (stats: *_total, not held state)
         self.read_s = 0.0  # host time in reads (a read waits for its copy)
         self.ring_from = np.full(slots, RING_NEVER, np.int64)  # host mirror, per slot
+        # per slot, for the step plan's one pass: from where on the ring (or nothing)
+        # takes all the slot's probes want (0: no probes; RING_NEVER: rows, always),
+        # and whether it uses the ring
+        self.ring_ok_from = np.zeros(slots, np.int64)
+        self.uses = np.zeros(slots, bool)
         device = t.ring.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         pin = device.type == "cuda"
@@ -71,20 +79,32 @@ class ProbeRing:
                                   pin_memory=pin))
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
-                    entries: list[RingEntry]) -> int:
-        """The slot's ring_from: the prompt's end, or RING_NEVER without entries."""
+                    entries: list[RingEntry], rows_past_prompt: bool = False) -> int:
+        """The slot's ring_from: the prompt's end, or RING_NEVER without entries.
+        `rows_past_prompt`: the request wants generated positions as routed rows."""
         self.remove_request(req_id)
+        self.ring_ok_from[slot] = RING_NEVER if rows_past_prompt else prompt_len
         if not entries:
             self.ring_from[slot] = RING_NEVER
             return RING_NEVER
+        self.uses[slot] = True
         self._reqs[req_id] = _Request(slot, prompt_len, entries)
+        self._half_at[req_id] = prompt_len + self.size // 2
         self.ring_from[slot] = prompt_len
         return prompt_len
 
     def remove_request(self, req_id: str) -> None:
         r = self._reqs.pop(req_id, None)
+        self._half_at.pop(req_id, None)
         if r is not None:
             self.ring_from[r.slot] = RING_NEVER
+            self.uses[r.slot] = False
+
+    def free_slot(self, slot: int) -> None:
+        """The slot holds no probes now (its request left, or holds none)."""
+        self.ring_ok_from[slot] = 0
+        self.uses[slot] = False
+        self.ring_from[slot] = RING_NEVER
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._reqs
@@ -99,11 +119,17 @@ class ProbeRing:
         the row may want this step."""
         return (lo >= self.ring_from[slots]) & (tokens <= self.step_limit)
 
+    def takes_all(self, slots: np.ndarray, lo: np.ndarray, tokens: np.ndarray) -> bool:
+        """Whether in a step with these batch rows (slot, first position, tokens) the
+        ring, or nothing, takes every probe row: no row needs routing."""
+        uses = self.uses[slots]
+        return bool(((lo >= self.ring_ok_from[slots])
+                     & (~uses | (tokens <= self.step_limit))).all())
+
     def filling(self, req_ids: list[str], through: list[int]) -> list[str]:
         """The requests whose unread positions reached half the ring."""
-        half = self.size // 2
-        return [r for r, t in zip(req_ids, through)
-                if (x := self._reqs.get(r)) is not None and t - x.start >= half]
+        due = self._half_at.get
+        return [r for r, t in zip(req_ids, through) if t >= due(r, RING_NEVER)]
 
     def read(self, req_id: str, through: int) -> RingRead | None:
         """The request's ring rows of positions [start, through), and what it wanted
@@ -125,6 +151,7 @@ class ProbeRing:
             here = labels[e.entry, want % self.size] == want
             found[e.site] = (want[here], vals[e.entry, want[here] % self.size, :e.width])
         r.start = through
+        self._half_at[req_id] = through + self.size // 2
         return RingRead(expected, found)
 
     def _fetch(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
