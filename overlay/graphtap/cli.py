@@ -6,6 +6,8 @@
     graphtap demo guard --heads 5:18 7:12 [--model M] [--threshold T] [--dtype D]
     graphtap vector build MODEL --site S --positive FILE --negative FILE --out F.safetensors
     graphtap rerank MODEL --query Q --documents FILE --layers L [L ...]
+    graphtap harvest MODEL --dataset FILE.jsonl --sites S [S ...] --out DIR
+                     [--positions all] [--dtype float32|model] [--shard-prompts N]
 """
 from __future__ import annotations
 
@@ -120,6 +122,30 @@ def _rerank(args) -> int:
     return 0
 
 
+def _harvest(args) -> int:
+    from rich.console import Console
+
+    from graphtap.harvest import harvest, read_dataset
+    from graphtap.testing.engines import make_llm, shutdown
+
+    try:
+        prompts = read_dataset(args.dataset)
+        positions = json.loads(args.positions) if args.positions[:1] in "[{" else args.positions
+    except ValueError as e:
+        raise SystemExit(f"graphtap harvest: {e}") from None
+    llm = make_llm(args.model, eager=not args.compile, hook_manager="graphtap",
+                   hook_config={"sites": args.sites})
+    try:
+        manifest = harvest(llm, prompts, args.sites, args.out, positions, args.dtype,
+                           args.shard_prompts, args.max_tokens)
+    finally:
+        shutdown(llm)
+    Console().print(f"{args.out}: {manifest['rows']} rows at {len(args.sites)} site(s) from "
+                    f"{len(prompts)} prompts in {len(manifest['shards'])} shard(s)"
+                    f"{'' if manifest['complete'] else ' (incomplete)'}")
+    return 0
+
+
 def _demo(ap, args) -> int:
     from graphtap.demo import run_demo, run_guard_demo
     from graphtap.guard_demo import parse_heads
@@ -187,10 +213,23 @@ def main(argv: list[str] | None = None) -> int:
     rr.add_argument("--query", required=True)
     rr.add_argument("--documents", required=True, help="one per line (or a JSON list)")
     rr.add_argument("--layers", type=int, nargs="+", required=True)
+    hv = sub.add_parser("harvest", help="activations of a prompt set, as sharded safetensors")
+    hv.add_argument("model")
+    hv.add_argument("--dataset", required=True,
+                    help="JSONL: {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line")
+    hv.add_argument("--sites", nargs="+", required=True, help="e.g. blocks.6.hook_resid_post")
+    hv.add_argument("--positions", default="all",
+                    help="all, prompt, last_prompt, generated, or a JSON list or span")
+    hv.add_argument("--dtype", choices=["float32", "model"], default="float32")
+    hv.add_argument("--shard-prompts", type=int, default=64, help="prompts per shard")
+    hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt")
+    hv.add_argument("--out", required=True, help="a directory (an existing harvest resumes)")
+    hv.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
     args, rest = ap.parse_known_args(argv)
     if args.cmd != "serve" and rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.cmd in ("demo", "vector", "rerank") and "TRITON_INTERPRET" not in os.environ and \
+    if args.cmd in ("demo", "vector", "rerank", "harvest") and \
+            "TRITON_INTERPRET" not in os.environ and \
             not has_gpu():
         os.environ["TRITON_INTERPRET"] = "1"  # Model Runner V2 on a CPU (patch 0001)
     if args.cmd == "demo":
@@ -201,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         return _vector(args)
     if args.cmd == "rerank":
         return _rerank(args)
+    if args.cmd == "harvest":
+        return _harvest(args)
     return _sites(args)
 
 

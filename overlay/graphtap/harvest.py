@@ -1,0 +1,205 @@
+"""`graphtap harvest`: a prompt set's activations at chosen sites and positions, written
+as sharded safetensors with a manifest, for probe datasets and sparse-autoencoder
+training. Each shard holds a fixed run of prompts and is written under a temporary name
+and renamed, and the manifest (model, sites, dtype, positions, the prompts' hash, each
+shard's rows and sha256) is rewritten after each one, so an interrupted harvest resumes
+where it stopped, and the same inputs give the same files.
+
+A shard's tensors: one per site (`blocks.L.hook_resid_post`: [rows, width]) and, per
+row, `prompt_index` (into the dataset), `position` and `token_id` (the token at that
+position). Rows are in (prompt, position) order; every site has the same rows.
+
+The rows come home through graphtap's per-request capture path today (each finished
+request's outputs); issue 18's bulk sink, which streams rows off the device outside
+that path, is to replace the transport under the same files."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class HarvestPlan:
+    """What makes a harvest reproducible; a resumed one must match it exactly."""
+
+    model: str
+    sites: tuple[str, ...]
+    positions: object  # a capture position rule ("all", "prompt", ...)
+    dtype: str  # "float32" or "model"
+    shard_prompts: int
+    max_tokens: int
+    prompts: int
+    prompts_sha256: str
+
+
+def read_dataset(path: str | Path) -> list[str | list[int]]:
+    """JSONL, one object per line with "prompt" or "text" (a string) or
+    "prompt_token_ids" (a list of ints); blank lines are skipped."""
+    out: list[str | list[int]] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        value = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+        ids = row.get("prompt_token_ids") if isinstance(row, dict) else None
+        if isinstance(value, str) and value:
+            out.append(value)
+        elif isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+            out.append(ids)
+        else:
+            raise ValueError(f"{path}:{n}: expected an object with a non-empty \"prompt\", "
+                             f"\"text\" or \"prompt_token_ids\"")
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def prompts_sha256(prompts: list) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+def harvest(llm, prompts: list, sites: list[str], out_dir: str | Path, positions="all",
+            dtype: str = "float32", shard_prompts: int = 64, max_tokens: int = 1,
+            stop_after: int | None = None, progress: bool = True) -> dict:
+    """Harvest into out_dir (see the module docstring); returns the manifest. Shards
+    the manifest already lists, with files whose sha256 matches, are skipped.
+    `stop_after`: write at most this many new shards (an interrupted run, in tests)."""
+    if shard_prompts < 1 or max_tokens < 1:
+        raise ValueError("harvest: shard_prompts and max_tokens must be at least 1")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = HarvestPlan(str(llm.llm_engine.model_config.model), tuple(sites), positions, dtype,
+                       shard_prompts, max_tokens, len(prompts), prompts_sha256(prompts))
+    manifest = _resume(out, plan)
+    done = {s["index"] for s in manifest["shards"]}
+    starts = range(0, len(prompts), shard_prompts)
+    bar = _bar(len(prompts), progress, sum(s["prompts"][1] - s["prompts"][0]
+                                           for s in manifest["shards"]))
+    written, t0, rows_total, bytes_total, tokens_total = 0, time.perf_counter(), 0, 0, 0
+    try:
+        for index, start in enumerate(starts):
+            if index in done:
+                continue
+            if stop_after is not None and written >= stop_after:
+                break
+            end = min(start + shard_prompts, len(prompts))
+            tensors, tokens = _shard(llm, prompts[start:end], start, plan)
+            entry = _write(out, index, (start, end), tensors)
+            manifest["shards"].append(entry)
+            manifest["shards"].sort(key=lambda s: s["index"])
+            manifest["rows"] = sum(s["rows"] for s in manifest["shards"])
+            _save_manifest(out, manifest)
+            written += 1
+            rows_total += entry["rows"]
+            bytes_total += entry["bytes"]
+            tokens_total += tokens
+            if bar is not None:
+                spent = max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix(tokens_s=f"{tokens_total / spent:.0f}",
+                                rows_s=f"{rows_total / spent:.0f}",
+                                GB=f"{bytes_total / 1e9:.3f}")
+                bar.update(end - start)
+    finally:
+        if bar is not None:
+            bar.close()
+    manifest["complete"] = len(manifest["shards"]) == len(starts)
+    _save_manifest(out, manifest)
+    return manifest
+
+
+def _shard(llm, prompts: list, first: int, plan: HarvestPlan) -> tuple[dict, int]:
+    from vllm import SamplingParams
+
+    spec = {"capture": [{"site": s, "positions": plan.positions, "dtype": plan.dtype}
+                        for s in plan.sites]}
+    params = SamplingParams(max_tokens=plan.max_tokens, temperature=0.0, ignore_eos=True,
+                            hooks=spec)
+    inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    per_site: dict[str, list[torch.Tensor]] = {s: [] for s in plan.sites}
+    index, position, token = [], [], []
+    tokens = 0
+    for i, o in enumerate(outs):
+        hooks = o.hooks
+        if hooks is None or hooks.error:
+            raise RuntimeError(f"harvest: prompt {first + i}: "
+                               f"{getattr(hooks, 'error', None) or 'no captures came back'}")
+        ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        tokens += len(ids)
+        pos = hooks.positions[plan.sites[0]]
+        for s in plan.sites:
+            if not torch.equal(hooks.positions[s], pos):
+                raise RuntimeError(f"harvest: prompt {first + i}: {s} came back at other "
+                                   f"positions than {plan.sites[0]}")
+            per_site[s].append(hooks[s])
+        index.append(np.full(len(pos), first + i, np.int64))
+        position.append(pos.numpy().astype(np.int64))
+        token.append(np.asarray(ids, np.int64)[pos.numpy()])
+    tensors = {s: torch.cat(rows).contiguous() for s, rows in per_site.items()}
+    tensors["prompt_index"] = torch.from_numpy(np.concatenate(index))
+    tensors["position"] = torch.from_numpy(np.concatenate(position))
+    tensors["token_id"] = torch.from_numpy(np.concatenate(token))
+    return tensors, tokens
+
+
+def _write(out: Path, index: int, prompts: tuple[int, int], tensors: dict) -> dict:
+    from safetensors.torch import save_file
+
+    name = f"shard-{index:05d}.safetensors"
+    tmp = out / f".{name}.tmp"
+    save_file(tensors, str(tmp), metadata={"graphtap_shard": str(index),
+                                           "prompts": json.dumps(list(prompts))})
+    os.replace(tmp, out / name)
+    return {"index": index, "file": name, "prompts": list(prompts),
+            "rows": int(tensors["position"].shape[0]), "bytes": (out / name).stat().st_size,
+            "sha256": _sha256(out / name)}
+
+
+def _resume(out: Path, plan: HarvestPlan) -> dict:
+    path = out / MANIFEST
+    fresh = {"graphtap_harvest": 1, "plan": asdict(plan), "shards": [], "rows": 0,
+             "complete": False}
+    if not path.exists():
+        return fresh
+    old = json.loads(path.read_text())
+    if old.get("plan") != json.loads(json.dumps(asdict(plan))):
+        raise ValueError(f"harvest: {out} holds a different harvest (its manifest's plan "
+                         f"differs: model, sites, positions, dtype, shard size or prompts); "
+                         f"use another --out")
+    kept = [s for s in old["shards"]
+            if (out / s["file"]).is_file() and _sha256(out / s["file"]) == s["sha256"]]
+    return {**fresh, "shards": kept, "rows": sum(s["rows"] for s in kept)}
+
+
+def _save_manifest(out: Path, manifest: dict) -> None:
+    tmp = out / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / MANIFEST)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _bar(total: int, on: bool, done: int):
+    if not on:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, unit="prompt", desc="harvest")

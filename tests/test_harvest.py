@@ -1,0 +1,105 @@
+"""`graphtap harvest` (graphtap/harvest.py) on the tiny Llama, one engine: every prompt's
+rows once, labelled by prompt, position and token, equal to the per-request capture of
+the same prompt and to HF's residual stream; an interrupted harvest resumes to the same
+files; a directory holding another harvest is refused; bad datasets name the line."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from graphtap.harvest import harvest, read_dataset
+from graphtap.testing.engines import _hf_model, make_llm, shutdown, tokenize
+from graphtap.testing.hf_reference import hf_capture
+
+SITES = ["blocks.1.hook_resid_mid", "blocks.3.hook_resid_post"]
+TEXTS = ["The quick brown fox", "Steering vectors shift the hidden state",
+         "Prompt injection asks a model", "Numbers like 12, 40", "Hallucination probes"]
+
+
+@pytest.fixture(scope="module")
+def engine(llama_path):
+    llm = make_llm(llama_path, hook_manager="graphtap", hook_config={"sites": SITES})
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def prompts(llama_path):
+    ids = tokenize(llama_path, TEXTS[3:])
+    return TEXTS[:3] + ids  # strings and token id lists alike
+
+
+def shards(out):
+    manifest = json.loads((out / "manifest.json").read_text())
+    return manifest, [load_file(str(out / s["file"])) for s in manifest["shards"]]
+
+
+def test_rows_come_once_labelled_and_equal_captures_and_hf(engine, prompts, llama_path,
+                                                           tmp_path):
+    manifest = harvest(engine, prompts, SITES, tmp_path, shard_prompts=2, progress=False)
+    assert manifest["complete"] and len(manifest["shards"]) == 3
+    manifest, files = shards(tmp_path)
+    joined = {k: torch.cat([f[k] for f in files]) for k in files[0]}
+    assert manifest["rows"] == len(joined["position"])
+    ids = [tokenize(llama_path, [p])[0] if isinstance(p, str) else p for p in prompts]
+    # every (prompt, position) once, in order
+    want = [(i, p) for i, x in enumerate(ids) for p in range(len(x))]
+    assert list(zip(joined["prompt_index"].tolist(), joined["position"].tolist())) == want
+    assert joined["token_id"].tolist() == [t for x in ids for t in x]
+    from vllm import SamplingParams
+
+    spec = {"capture": [{"site": s, "positions": "all", "dtype": "float32"} for s in SITES]}
+    hf = _hf_model(str(llama_path))
+    for i, x in enumerate(ids):
+        mine = joined["prompt_index"] == i
+        solo = engine.generate([{"prompt_token_ids": x}], SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, hooks=spec), use_tqdm=False)[0]
+        ref, _, _ = hf_capture(hf, x, 1, SITES)
+        for s in SITES:
+            torch.testing.assert_close(joined[s][mine], solo.hooks[s], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(joined[s][mine], ref[s][:len(x)], rtol=1e-4, atol=1e-4)
+
+
+def test_an_interrupted_harvest_resumes_to_the_same_files(engine, prompts, tmp_path):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    harvest(engine, prompts, SITES, whole, shard_prompts=2, progress=False)
+    first = harvest(engine, prompts, SITES, part, shard_prompts=2, stop_after=1,
+                    progress=False)
+    assert not first["complete"] and len(first["shards"]) == 1
+    (part / "shard-00001.safetensors").write_bytes(b"torn")  # a shard cut short, unlisted
+    again = harvest(engine, prompts, SITES, part, shard_prompts=2, progress=False)
+    assert again["complete"]
+    a, b = (json.loads((d / "manifest.json").read_text()) for d in (whole, part))
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+    # a listed shard whose bytes changed is made again, not trusted
+    (part / "shard-00000.safetensors").write_bytes(b"x")
+    fixed = harvest(engine, prompts, SITES, part, shard_prompts=2, progress=False)
+    assert [s["sha256"] for s in fixed["shards"]] == [s["sha256"] for s in a["shards"]]
+
+
+def test_a_directory_holding_another_harvest_is_refused(engine, prompts, tmp_path):
+    harvest(engine, prompts[:2], SITES, tmp_path, shard_prompts=2, progress=False)
+    with pytest.raises(ValueError, match="holds a different harvest"):
+        harvest(engine, prompts[:2], SITES[:1], tmp_path, shard_prompts=2, progress=False)
+
+
+def test_bad_datasets_name_the_line(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"prompt_token_ids": [1, 2]}\n{"text": "b"}\n')
+    assert read_dataset(good) == ["a", [1, 2], "b"]
+    for text, words in [('{"prompt": "a"}\nnope\n', ":2: not JSON"),
+                        ('{"prompt": ""}\n', ":1: expected"),
+                        ('{"prompt_token_ids": ["x"]}\n', ":1: expected"), ("\n", "no prompts")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=words):
+            read_dataset(bad)
+    res = subprocess.run([sys.executable, "-m", "graphtap.cli", "harvest", "m", "--dataset",
+                          str(bad), "--sites", SITES[0], "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "no prompts" in res.stderr  # before any engine starts
+    assert not np.any([p.name == "o" for p in tmp_path.iterdir()])
