@@ -5,6 +5,8 @@ the step's copy home (a last-prompt probe's prefill copies one row per entry, no
 prompt token)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from graphtap.spec.positions import position_mask
@@ -64,23 +66,16 @@ class WantTable:
     def rows(self, input_batch) -> np.ndarray | None:
         """rows_in_step's bound per batch row (int64 [num_reqs]), or None without a host
         view of positions."""
-        computed = getattr(input_batch, "num_computed_tokens_np", None)
-        slots = getattr(input_batch, "idx_mapping_np", None)
-        if computed is None or slots is None:
+        w = batch_windows(input_batch)
+        if w is None:
             return None
-        n = len(input_batch.req_ids)
         if not self._by_slot:
-            return np.zeros(n, np.int64)
+            return np.zeros(len(w.slots), np.int64)
         start, end, rule, rule_slot, per = self._table()
         if not len(rule_slot):
-            return np.zeros(n, np.int64)
-        slots = np.asarray(slots[:n], np.int64)
-        tokens = np.asarray(input_batch.num_scheduled_tokens[:n], np.int64)
-        lo = computed[:n].astype(np.int64)
-        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
-        if drafts is not None:
-            lo = lo - drafts[:n]
-        hi = np.minimum(computed[:n].astype(np.int64) + tokens, self._max_len)
+            return np.zeros(len(w.slots), np.int64)
+        slots, lo, tokens = w.slots, w.lo, w.tokens
+        hi = np.minimum(w.hi, self._max_len)
         size = max(int(slots.max(initial=0)), int(rule_slot.max())) + 1
         lo_s, hi_s, tok_s = (np.zeros(size, np.int64) for _ in range(3))
         lo_s[slots], hi_s[slots], tok_s[slots] = np.maximum(lo, 0), hi, tokens
@@ -141,21 +136,28 @@ def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, i
     return out
 
 
-def batch_windows(input_batch) -> tuple[np.ndarray, ...] | None:
-    """Per batch row: (slot, first position the step may run, tokens), int64; the
-    first position widened by the drafts (rows_in_step says why). None without a host
-    view of positions."""
+class Windows(NamedTuple):
+    """Per batch row, int64: its slot, the first position the step may run (widened by
+    the drafts: rows_in_step says why), past the last one, and its tokens."""
+
+    slots: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    tokens: np.ndarray
+
+
+def batch_windows(input_batch) -> Windows | None:
+    """The batch's Windows, or None without a host view of positions."""
     computed = getattr(input_batch, "num_computed_tokens_np", None)
     slots = getattr(input_batch, "idx_mapping_np", None)
     if computed is None or slots is None:
         return None
     n = len(input_batch.req_ids)
-    lo = computed[:n].astype(np.int64)
+    computed = computed[:n].astype(np.int64)
+    tokens = np.asarray(input_batch.num_scheduled_tokens[:n], np.int64)
     drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
-    if drafts is not None:
-        lo = lo - drafts[:n]
-    return (np.asarray(slots[:n], np.int64), lo,
-            np.asarray(input_batch.num_scheduled_tokens[:n], np.int64))
+    lo = computed - drafts[:n] if drafts is not None else computed
+    return Windows(np.asarray(slots[:n], np.int64), lo, computed + tokens, tokens)
 
 
 def positions_end(input_batch, max_len: int) -> int:

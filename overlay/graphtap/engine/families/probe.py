@@ -132,21 +132,21 @@ class ProbeFamily(RowFamily):
         decided in one pass over per-slot arrays; other steps ask the want table."""
         if not self._wanted:
             return 0
-        windows = batch_windows(input_batch)
-        if windows is not None and self.ring.takes_all(*windows):
-            return RING_STEP if self.ring.uses[windows[0]].any() else 0
-        return self.plan_rows(input_batch, windows)
+        w = batch_windows(input_batch)
+        if w is not None and self.ring.takes_all(w.slots, w.lo, w.tokens):
+            return RING_STEP if self.ring.uses[w.slots].any() else 0
+        return self.plan_rows(input_batch, w)
 
-    def plan_rows(self, input_batch, windows) -> "int | RingStep":
+    def plan_rows(self, input_batch, w) -> "int | RingStep":
         """plan() from the want table: the rows the batch's requests may want now, or
         RING_STEP if the ring takes every one of them."""
         rows = self._table.rows(input_batch)
-        if rows is None or windows is None:
+        if rows is None or w is None:
             return super().plan(input_batch)
         wanting = np.flatnonzero(rows)
         if not len(wanting):
             return 0
-        if self.ring.serves(*(a[wanting] for a in windows)).all():
+        if self.ring.serves(w.slots[wanting], w.lo[wanting], w.tokens[wanting]).all():
             return RING_STEP
         return int(rows.sum())
 
