@@ -87,13 +87,14 @@ class Engine:
         self.slot: dict[str, int] = {}
         self.plans = []
 
-    def add(self, req, slot, prompt_len, positions="all", stop=7, guard=None):
+    def add(self, req, slot, prompt_len, positions="all", stop=7, guard=None,
+            every_step=False):
         spec = {"probe": [{"site": SITE, "weights": W.tolist(), "bias": BIAS,
                            "positions": positions}]}
         if guard:
             spec["guard"] = guard
         self.fam.add_request(slot, req, prompt_len, normalise(parse_spec(spec), SHAPE))
-        self.fam.hold(req, Ending(frozenset({stop}), cap=L, every_step=False))
+        self.fam.hold(req, Ending(frozenset({stop}), cap=L, every_step=every_step))
         self.computed[req], self.slot[req] = 0, slot
         self.et.slots.apply()
         self.fam.apply_staged_writes()
@@ -196,6 +197,21 @@ def test_big_steps_and_stopping_guards_route_rows():
     got = e.step({"a": 1, "g": 1}, {"a": 7, "g": 7})
     assert got["a"][f"{NAME}@positions"].tolist() == list(range(2 + G // 4 + 4))
     assert got["g"][f"{NAME}@positions"].tolist() == [0, 1, 2, 3]
+
+
+def test_requests_that_go_home_every_step_route_rows():
+    """Stop strings make every step one that may finish the request: its rows go home
+    each step, so they are routed rows (a ring read per step would cost more), and each
+    step's chunk holds that step's positions once."""
+    e = Engine()
+    e.add("s", 1, prompt_len=3, positions="generated", every_step=True)
+    assert not e.fam.ring.holds("s") and e.et.ops.probe.ring_from[1, 0] != 3
+    e.step({"s": 3}, {"s": 3})
+    got = [e.step({"s": 1}, {"s": 3})["s"] for _ in range(3)]
+    assert all(isinstance(p, int) and p == 1 for p in e.plans[1:])
+    assert [g[f"{NAME}@positions"].tolist() for g in got] == [[3], [4], [5]]
+    torch.testing.assert_close(torch.cat([g[NAME] for g in got]), want([3, 4, 5]),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_an_overwritten_ring_fails_the_request_rather_than_shortening_it():

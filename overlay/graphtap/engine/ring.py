@@ -100,6 +100,12 @@ class ProbeRing:
             self.ring_from[r.slot] = RING_NEVER
             self.uses[r.slot] = False
 
+    def to_rows(self, slot: int, req_id: str) -> None:
+        """The request's generated positions are routed rows from now on (its slot's
+        ring_from must become RING_NEVER before its next step)."""
+        self.remove_request(req_id)
+        self.ring_ok_from[slot] = RING_NEVER
+
     def free_slot(self, slot: int) -> None:
         """The slot holds no probes now (its request left, or holds none)."""
         self.ring_ok_from[slot] = 0

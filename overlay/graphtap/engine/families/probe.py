@@ -17,6 +17,7 @@ from graphtap.engine.families.vectors import BankFull, VectorBank
 from graphtap.engine.rows import RowFamily
 from graphtap.engine.tables import ProbeFields
 from graphtap.engine.wanted import batch_windows
+from graphtap.ops.tables import RING_NEVER
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import position_mask
 
@@ -113,8 +114,15 @@ class ProbeFamily(RowFamily):
     def hold(self, req_id: str, ending: Ending) -> None:
         """Hold the request's rows until a step `ending` says may finish it."""
         if req_id in self._slot_of:
-            widths = {site: f.width for site, f in self._formats[self._slot_of[req_id]].items()}
+            slot = self._slot_of[req_id]
+            widths = {site: f.width for site, f in self._formats[slot].items()}
             self.held.add_request(req_id, widths, ending)
+            if ending.every_step and self.ring.holds(req_id):
+                # Its rows go home every step anyway (stop strings): a ring read per step
+                # would cost more than the routed rows.
+                self.ring.to_rows(slot, req_id)
+                self.slots.host_view(self.extra.ring_from)[slot, 0] = RING_NEVER
+                self.slots.stage(slot)
 
     def remove_request(self, req_id: str) -> None:
         self._refused.pop(req_id, None)
