@@ -10,7 +10,6 @@ import re
 import httpx
 import pytest
 import torch
-
 from graphtap.testing.engines import _hf_model, tokenize
 from graphtap.testing.hf_reference import hf_capture
 from graphtap.wire import decode

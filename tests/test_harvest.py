@@ -9,11 +9,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from graphtap.harvest import harvest, read_dataset
 from graphtap.testing.engines import _hf_model, make_llm, shutdown, tokenize
 from graphtap.testing.hf_reference import hf_capture
+from safetensors.torch import load_file
 
 SITES = ["blocks.1.hook_resid_mid", "blocks.3.hook_resid_post"]
 TEXTS = ["The quick brown fox", "Steering vectors shift the hidden state",

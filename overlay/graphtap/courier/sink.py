@@ -1,0 +1,161 @@
+"""The bulk sink's writer: labelled rows appended to sharded safetensors files by a thread
+of their own, so a harvest's rows leave the engine core's thread as soon as they are
+handed over (issue 18). A second consumer of a step's host rows beside the per-request
+split (courier/snapshot.py); wiring it to the capture family is the next step.
+
+Layout under `root`: per site a folder (`blocks.12.hook_resid_post/`) of shards
+`shard-00000.safetensors`, each with `values` [rows, width], `request` (an index into
+the requests of `index.json`) and `position`; `index.json` lists the requests and every
+shard written (rows, bytes), rewritten after each. Shards are written under a temporary
+name and renamed: a reader never sees half a shard.
+
+Memory is bounded: `put` blocks while the rows queued for the thread would pass
+`max_queued_bytes` (backpressure: the engine slows, nothing is dropped); one put larger
+than the bound alone still goes through. A failed write (a full disk) stops the writer
+and every later `put` raises SinkFailed with the cause: rows are never lost silently."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+INDEX = "index.json"
+
+
+class SinkFailed(RuntimeError):
+    """The writer stopped on an error; rows put since were not written."""
+
+
+class SinkWriter:
+    """Rows in (`put`, any thread), sharded files out (its own thread)."""
+
+    def __init__(self, root: str | Path, shard_rows: int = 1 << 16,
+                 max_queued_bytes: int = 256 << 20):
+        if shard_rows < 1 or max_queued_bytes < 1:
+            raise ValueError("sink: shard_rows and max_queued_bytes must be at least 1")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.shard_rows, self.max_queued_bytes = shard_rows, max_queued_bytes
+        self._requests: dict[str, int] = {}
+        self._queue: deque = deque()
+        self._queued = 0
+        self.peak_queued = 0  # the most bytes ever queued (tests hold it to the bound)
+        self.waits = 0  # puts that waited for room (backpressure applied)
+        self._cv = threading.Condition()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._open: dict[str, list] = {}  # site -> pending pieces of its next shard
+        self._count: dict[str, int] = {}  # site -> shards written
+        self._shards: list[dict] = []
+        self._thread = threading.Thread(target=self._run, name="graphtap-sink", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- producer side
+    def request_index(self, req_id: str) -> int:
+        """The request's row in index.json (its rows' `request` value)."""
+        with self._cv:
+            return self._requests.setdefault(req_id, len(self._requests))
+
+    def put(self, site: str, request: np.ndarray, position: np.ndarray,
+            values: np.ndarray) -> None:
+        """Rows of one site: request indices, positions, values [n, width]."""
+        n = len(position)
+        if not (len(request) == n == len(values)):
+            raise ValueError(f"sink: {n} positions, {len(request)} request indices and "
+                             f"{len(values)} rows")
+        if not n:
+            return
+        piece = (site, np.asarray(request, np.int64), np.asarray(position, np.int64),
+                 np.ascontiguousarray(values))
+        size = sum(a.nbytes for a in piece[1:])
+        with self._cv:
+            waited = False
+            while (self._error is None and self._queue
+                   and self._queued + size > self.max_queued_bytes):
+                waited = True
+                self._cv.wait()  # backpressure: the writer frees room as it writes
+            self.waits += waited
+            if self._error is not None:
+                raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
+            if self._closing:
+                raise SinkFailed("sink: closed")
+            self._queue.append((piece, size))
+            self._queued += size
+            self.peak_queued = max(self.peak_queued, self._queued)
+            self._cv.notify_all()
+
+    def close(self) -> dict:
+        """Write what is queued and every partial shard; returns the index."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join()
+        if self._error is not None:
+            raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
+        return self._index()
+
+    # ---------------------------------------------------------------- writer thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._queue and not self._closing:
+                        self._cv.wait()
+                    if not self._queue:
+                        break
+                    piece, size = self._queue.popleft()
+                self._take(piece)
+                with self._cv:
+                    self._queued -= size
+                    self._cv.notify_all()
+            for site in list(self._open):
+                self._flush(site)
+        except BaseException as e:  # noqa: BLE001 - reported to every later put
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _take(self, piece) -> None:
+        site, request, position, values = piece
+        pending = self._open.setdefault(site, [])
+        pending.append((request, position, values))
+        while sum(len(p[0]) for p in pending) >= self.shard_rows:
+            self._flush(site, self.shard_rows)
+            pending = self._open.get(site, [])
+
+    def _flush(self, site: str, rows: int | None = None) -> None:
+        """Write the site's first `rows` pending rows (all: None) as its next shard."""
+        from safetensors.numpy import save_file
+
+        pending = self._open.pop(site, [])
+        if not pending:
+            return
+        request, position, values = (np.concatenate([p[i] for p in pending]) for i in range(3))
+        if rows is not None and rows < len(position):
+            self._open[site] = [(request[rows:], position[rows:], values[rows:])]
+            request, position, values = request[:rows], position[:rows], values[:rows]
+        k = self._count.get(site, 0)
+        folder = self.root / site
+        folder.mkdir(exist_ok=True)
+        name = f"shard-{k:05d}.safetensors"
+        tmp = folder / f".{name}.tmp"
+        save_file({"values": values, "request": request, "position": position}, str(tmp))
+        os.replace(tmp, folder / name)
+        self._count[site] = k + 1
+        self._shards.append({"site": site, "file": f"{site}/{name}", "rows": int(len(position)),
+                             "bytes": (folder / name).stat().st_size})
+        self._write_index()
+
+    def _index(self) -> dict:
+        with self._cv:
+            requests = sorted(self._requests, key=self._requests.get)
+        return {"graphtap_sink": 1, "requests": requests, "shards": list(self._shards)}
+
+    def _write_index(self) -> None:
+        tmp = self.root / f".{INDEX}.tmp"
+        tmp.write_text(json.dumps(self._index(), indent=1))
+        os.replace(tmp, self.root / INDEX)

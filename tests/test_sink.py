@@ -1,0 +1,89 @@
+"""The bulk sink's writer (courier/sink.py), without an engine: every row put comes out
+once, in order, per site, across shards; memory stays under its bound while a slow disk
+holds the writer back (put blocks, nothing is dropped); a failed write stops the sink
+loudly; the index lists requests and shards."""
+import json
+import time
+
+import numpy as np
+import pytest
+from graphtap.courier.sink import SinkFailed, SinkWriter
+from safetensors.numpy import load_file
+
+WIDTHS = {"blocks.0.hook_resid_post": 8, "blocks.1.attn.hook_q": 12, "blocks.2.hook_resid_mid": 8}
+
+
+def read_site(root, index, site):
+    parts = [load_file(str(root / s["file"])) for s in index["shards"] if s["site"] == site]
+    return {k: np.concatenate([p[k] for p in parts]) for k in ("values", "request", "position")}
+
+
+def test_every_row_comes_out_once_in_order(tmp_path):
+    rng = np.random.default_rng(0)
+    sink = SinkWriter(tmp_path, shard_rows=37)
+    reqs = [sink.request_index(f"req-{i}") for i in range(5)]
+    assert reqs == list(range(5)) and sink.request_index("req-2") == 2
+    put = {s: [] for s in WIDTHS}
+    for _ in range(60):
+        site = list(WIDTHS)[int(rng.integers(len(WIDTHS)))]
+        n = int(rng.integers(0, 30))
+        piece = (rng.integers(0, 5, n), rng.integers(0, 500, n),
+                 rng.normal(size=(n, WIDTHS[site])).astype(np.float32))
+        sink.put(site, *piece)
+        put[site].append(piece)
+    index = sink.close()
+    assert index == json.loads((tmp_path / "index.json").read_text())
+    assert index["requests"] == [f"req-{i}" for i in range(5)]
+    for site, pieces in put.items():
+        got = read_site(tmp_path, index, site)
+        want = [np.concatenate([p[i] for p in pieces]) for i in range(3)]
+        assert np.array_equal(got["request"], want[0])
+        assert np.array_equal(got["position"], want[1])
+        assert np.array_equal(got["values"], want[2])
+        rows = [s["rows"] for s in index["shards"] if s["site"] == site]
+        assert all(r == 37 for r in rows[:-1]) and 0 < rows[-1] <= 37
+    assert not list(tmp_path.rglob(".*.tmp"))  # no half-written shard left
+
+
+class SlowDisk(SinkWriter):
+    """A writer held back (a slow disk): each piece takes 5 ms to take."""
+
+    def _take(self, piece):
+        time.sleep(0.005)
+        super()._take(piece)
+
+
+def test_backpressure_bounds_memory_and_drops_nothing(tmp_path):
+    piece_bytes = 64 * 1024 * 4 + 64 * 16  # 64 rows of 1024 float32 + labels
+    sink = SlowDisk(tmp_path, shard_rows=256, max_queued_bytes=3 * piece_bytes)
+    values = np.ones((64, 1024), np.float32)
+    for i in range(40):
+        sink.put("blocks.0.hook_resid_post", np.zeros(64, np.int64),
+                 np.arange(64) + 64 * i, values * i)
+    index = sink.close()
+    assert sink.peak_queued <= 3 * piece_bytes
+    assert sink.waits > 0  # the producer waited for the disk instead of queueing 10 MB
+    got = read_site(tmp_path, index, "blocks.0.hook_resid_post")
+    assert np.array_equal(got["position"], np.arange(64 * 40))
+    assert np.array_equal(got["values"][::64, 0], np.arange(40, dtype=np.float32))
+
+
+def test_a_failed_write_stops_the_sink_loudly(tmp_path):
+    (tmp_path / "blocks.0.hook_resid_post").write_text("a file where a folder must go")
+    sink = SinkWriter(tmp_path, shard_rows=4)
+    sink.put("blocks.0.hook_resid_post", np.zeros(8, np.int64), np.arange(8),
+             np.ones((8, 2), np.float32))
+    with pytest.raises(SinkFailed, match="the writer stopped"):
+        for _ in range(200):  # the writer fails on its first shard
+            sink.put("blocks.0.hook_resid_post", np.zeros(1, np.int64), np.arange(1),
+                     np.ones((1, 2), np.float32))
+            time.sleep(0.01)
+    with pytest.raises(SinkFailed):
+        sink.close()
+
+
+def test_mismatched_columns_are_refused(tmp_path):
+    sink = SinkWriter(tmp_path)
+    with pytest.raises(ValueError, match="3 positions, 2 request indices"):
+        sink.put("s", np.zeros(2, np.int64), np.arange(3), np.ones((3, 2), np.float32))
+    assert sink.close()["shards"] == []
