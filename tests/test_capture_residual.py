@@ -240,5 +240,6 @@ def test_probe_rows_come_home_however_the_request_ends(engine, llama_path):
     assert outs[-1].hooks.error is None  # the plain capture beside them
     (stats,) = engine.collective_rpc("graphtap_hook_stats")
     # decode steps left the scores in the device ring (probe_ring 16: read when half
-    # full, and when a request may finish)
-    assert stats["probe"]["ring_steps_total"] > 0 and stats["probe"]["ring_reads_total"] > 3
+    # full, and when a request may finish; the length case alone reads twice); the stop
+    # string's request routed rows instead (it may finish at every step)
+    assert stats["probe"]["ring_steps_total"] > 0 and stats["probe"]["ring_reads_total"] >= 2
