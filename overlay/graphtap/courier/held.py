@@ -112,14 +112,12 @@ class HeldRows:
         self.add(labels, rows, slot_to_req)
         due = list(dict.fromkeys(self.due(batch, step)
                                  + self.flagged(labels, rows, slot_to_req, guards)))
-        reads = due
+        reads, after = due, batch.computed_after.tolist()
         if self.reader is not None:
-            reads = list(dict.fromkeys(due + self.reader.filling(
-                batch.req_ids, batch.computed_after.tolist())))
+            reads = list(dict.fromkeys(due + self.reader.filling(batch.req_ids, after)))
         if not reads:
             return {}
-        through = {r: t for r, t in zip(batch.req_ids, batch.computed_after.tolist())
-                   if r in reads}
+        through = {r: t for r, t in zip(batch.req_ids, after) if r in reads}
         if self.reader is not None:
             for req in reads:
                 found = self.reader.read(req, through.get(req, 0))
@@ -128,7 +126,7 @@ class HeldRows:
         return self.flush(due, through)
 
     def take(self, req_id: str, read) -> None:
-        """A ring read's rows (engine/families/probe_ring.RingRead) joined to the held
+        """A ring read's rows (engine/ring.py RingRead) joined to the held
         ones, positions the held rows have (routed) left to them; a wanted position in
         neither fails the request's rows."""
         serial = self._serial[req_id]

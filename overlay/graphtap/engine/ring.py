@@ -57,7 +57,9 @@ class RingRead:
 class ProbeRing:
     """The host side of the ring: who uses it, from where, and its reads."""
 
-    def __init__(self, t: ProbeTables, slots: int):
+    def __init__(self, t: ProbeTables, ring_from: np.ndarray):
+        """`ring_from`: the host view of the slots' ring_from field ([slots], written
+        here, staged by the family): the one copy of where each slot's ring starts."""
         self.t = t
         self.size = t.ring_size
         self.step_limit = self.size // 4  # tokens of one request a ring step may run
@@ -65,12 +67,10 @@ class ProbeRing:
         self._half_at: dict[str, int] = {}  # req_id -> where its unread reach half the ring
         self.steps = self.reads = 0  # counters (stats: *_total, not held state)
         self.read_s = 0.0  # host time in reads (a read waits for its copy)
-        self.ring_from = np.full(slots, RING_NEVER, np.int64)  # host mirror, per slot
+        self.ring_from = ring_from
         # per slot, for the step plan's one pass: from where on the ring (or nothing)
-        # takes all the slot's probes want (0: no probes; RING_NEVER: rows, always),
-        # and whether it uses the ring
-        self.ring_ok_from = np.zeros(slots, np.int64)
-        self.uses = np.zeros(slots, bool)
+        # takes all the slot's probes want (0: no probes; RING_NEVER: rows, always)
+        self.ring_ok_from = np.zeros(len(ring_from), np.int64)
         device = t.ring.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         pin = device.type == "cuda"
@@ -79,37 +79,33 @@ class ProbeRing:
                                   pin_memory=pin))
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
-                    entries: list[RingEntry], rows_past_prompt: bool = False) -> int:
-        """The slot's ring_from: the prompt's end, or RING_NEVER without entries.
+                    entries: list[RingEntry], rows_past_prompt: bool = False) -> None:
+        """Sets the slot's ring_from: the prompt's end, or RING_NEVER without entries.
         `rows_past_prompt`: the request wants generated positions as routed rows."""
         self.remove_request(req_id)
         self.ring_ok_from[slot] = RING_NEVER if rows_past_prompt else prompt_len
         if not entries:
             self.ring_from[slot] = RING_NEVER
-            return RING_NEVER
-        self.uses[slot] = True
+            return
         self._reqs[req_id] = _Request(slot, prompt_len, entries)
         self._half_at[req_id] = prompt_len + self.size // 2
         self.ring_from[slot] = prompt_len
-        return prompt_len
 
     def remove_request(self, req_id: str) -> None:
         r = self._reqs.pop(req_id, None)
         self._half_at.pop(req_id, None)
         if r is not None:
             self.ring_from[r.slot] = RING_NEVER
-            self.uses[r.slot] = False
 
     def to_rows(self, slot: int, req_id: str) -> None:
-        """The request's generated positions are routed rows from now on (its slot's
-        ring_from must become RING_NEVER before its next step)."""
+        """The request's generated positions are routed rows from now on (the family
+        stages its slot, so ring_from is RING_NEVER on the device before its next step)."""
         self.remove_request(req_id)
         self.ring_ok_from[slot] = RING_NEVER
 
     def free_slot(self, slot: int) -> None:
         """The slot holds no probes now (its request left, or holds none)."""
         self.ring_ok_from[slot] = 0
-        self.uses[slot] = False
         self.ring_from[slot] = RING_NEVER
 
     def holds(self, req_id: str) -> bool:
@@ -125,12 +121,15 @@ class ProbeRing:
         the row may want this step."""
         return (lo >= self.ring_from[slots]) & (tokens <= self.step_limit)
 
+    def uses(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot: whether its request's generated positions go to the ring."""
+        return self.ring_from[slots] != RING_NEVER
+
     def takes_all(self, slots: np.ndarray, lo: np.ndarray, tokens: np.ndarray) -> bool:
         """Whether in a step with these batch rows (slot, first position, tokens) the
         ring, or nothing, takes every probe row: no row needs routing."""
-        uses = self.uses[slots]
         return bool(((lo >= self.ring_ok_from[slots])
-                     & (~uses | (tokens <= self.step_limit))).all())
+                     & (~self.uses(slots) | (tokens <= self.step_limit))).all())
 
     def filling(self, req_ids: list[str], through: list[int]) -> list[str]:
         """The requests whose unread positions reached half the ring."""
@@ -163,12 +162,12 @@ class ProbeRing:
     def _fetch(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """The slot's ring and labels on the host. On a GPU on a stream of its own: the
         step whose rows are read has finished (its output copy event), the one running
-        now writes other rows of the ring."""
+        now writes other rows of the ring. Views: read() indexes out copies of its own."""
         vals, labels = self._host
         if self._stream is None:
-            return self.t.ring[slot].numpy().copy(), self.t.ring_pos[slot].numpy().copy()
+            return self.t.ring[slot].numpy(), self.t.ring_pos[slot].numpy()
         with torch.cuda.stream(self._stream):
             vals.copy_(self.t.ring[slot], non_blocking=True)
             labels.copy_(self.t.ring_pos[slot], non_blocking=True)
         self._stream.synchronize()
-        return vals.numpy().copy(), labels.numpy().copy()
+        return vals.numpy(), labels.numpy()

@@ -31,7 +31,8 @@ def probe_reference(t: ProbeTables, bank: torch.Tensor, tok_slot: torch.Tensor,
     n = x.shape[0]
     stream = x.float() if other is None else x.float() + other.float()
     slot = tok_slot[:n]
-    entry = (t.entry_site[slot] == site).int().argmax(1)  # [n]; any entry if none matches
+    hit = t.entry_site[slot] == site  # [n, C]: a request probes each site once
+    entry = hit.int().argmax(1)  # [n]; any entry if none matches
     vec = t.entry_vec[slot, entry].long()  # [n, P]
     weights = bank[vec, :stream.shape[1]].float()  # [n, P, H]
     score = torch.einsum("nh,nph->np", stream, weights) + t.entry_bias[slot, entry]
@@ -41,7 +42,7 @@ def probe_reference(t: ProbeTables, bank: torch.Tensor, tok_slot: torch.Tensor,
     t.buf.index_copy_(0, dst, score.to(t.buf.dtype))
     pos = positions[:n].long().clamp(0, t.entry_pos.shape[2] * 32 - 1)
     wanted = entry_bits(t.entry_pos, slot, pos).gather(1, entry.unsqueeze(1)).squeeze(1)
-    ring = ((t.entry_site[slot, entry] == site) & wanted & (dst == t.rows)
+    ring = (hit.any(1) & wanted & (dst == t.rows)
             & (pos >= t.ring_from[slot, 0]))
     where = torch.where(ring, slot, t.entry_site.shape[0] - 1)
     at = pos % t.ring_size

@@ -12,12 +12,11 @@ import torch
 from graphtap.courier import CaptureStep, OverflowKind, RequestErrors, RowFormat, StepSnapshots
 from graphtap.courier.held import Ending, HeldRows, NoRows
 from graphtap.courier.rows import HOST_LABELS
-from graphtap.engine.ring import ProbeRing, RingEntry
 from graphtap.engine.families.vectors import BankFull, VectorBank
+from graphtap.engine.ring import ProbeRing, RingEntry
 from graphtap.engine.rows import RowFamily
 from graphtap.engine.tables import ProbeFields
 from graphtap.engine.wanted import batch_windows
-from graphtap.ops.tables import RING_NEVER
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import position_mask
 
@@ -44,7 +43,7 @@ class ProbeFamily(RowFamily):
         self.extra, self.bank = fields, bank
         self.extra_fields = (fields.vec, fields.bias, fields.act, fields.ring_from)
         self.site_names = {i: f"probe:{n}" for i, n in self.site_names.items()}
-        self.ring = ProbeRing(tables, tables.entry_site.shape[0])
+        self.ring = ProbeRing(tables, slots.host_view(fields.ring_from)[:, 0])
         # Scores stay on the worker (the device ring, then its host) until the request
         # may finish.
         self.held = HeldRows(self.site_names, reader=self.ring)
@@ -101,8 +100,8 @@ class ProbeFamily(RowFamily):
             if mask[prompt_len:].any():
                 entries.append(RingEntry(i, self.sites.id_of(entry.layer, entry.kind),
                                          mask, len(entry.vectors)))
-        self.slots.host_view(self.extra.ring_from)[slot, 0] = self.ring.add_request(
-            slot, req_id, prompt_len, [] if stops else entries, stops and bool(entries))
+        self.ring.add_request(slot, req_id, prompt_len, [] if stops else entries,
+                              stops and bool(entries))
 
     def write_extra(self, slot: int, i: int, entry) -> None:
         x, view = self.extra, self.slots.host_view
@@ -121,7 +120,6 @@ class ProbeFamily(RowFamily):
                 # Its rows go home every step anyway (stop strings): a ring read per step
                 # would cost more than the routed rows.
                 self.ring.to_rows(slot, req_id)
-                self.slots.host_view(self.extra.ring_from)[slot, 0] = RING_NEVER
                 self.slots.stage(slot)
 
     def remove_request(self, req_id: str) -> None:
@@ -142,7 +140,7 @@ class ProbeFamily(RowFamily):
             return 0
         w = batch_windows(input_batch)
         if w is not None and self.ring.takes_all(w.slots, w.lo, w.tokens):
-            return RING_STEP if self.ring.uses[w.slots].any() else 0
+            return RING_STEP if self.ring.uses(w.slots).any() else 0
         return self.plan_rows(input_batch, w)
 
     def plan_rows(self, input_batch, w) -> "int | RingStep":
