@@ -214,6 +214,31 @@ def test_requests_that_go_home_every_step_route_rows():
                                atol=1e-5, rtol=1e-5)
 
 
+def test_requests_finishing_together_are_read_in_shared_fetches():
+    """A batch that finishes at one step reads every request's ring at that step:
+    their slots are fetched together (up to the fetch's size at once, 2 here, so 3
+    requests take 2 fetches, not 3 waits), each request's rows its own and whole, also
+    for a request whose positions partly came as routed rows."""
+    e = Engine()
+    e.fam.ring._chunk = 2
+    for slot, req in enumerate("abc"):
+        e.add(req, slot, prompt_len=3 + slot)
+    e.step({"a": 3, "b": 4, "c": 5}, {"a": 3, "b": 3, "c": 3})
+    e.step({"a": 1, "b": 1, "c": 5}, {"a": 3, "b": 3, "c": 3})  # c's 5: routed rows
+    for _ in range(4):
+        e.step({"a": 1, "b": 1, "c": 1}, {"a": 3, "b": 3, "c": 3})
+    before = e.fam.stats()
+    got = e.step({"a": 1, "b": 1, "c": 1}, {"a": 7, "b": 7, "c": 7})
+    after = e.fam.stats()
+    assert after["ring_reads_total"] - before["ring_reads_total"] == 3
+    assert after["ring_fetches_total"] - before["ring_fetches_total"] == 2
+    for req, n in (("a", 3 + 6), ("b", 4 + 6), ("c", 5 + 5 + 5)):
+        assert ERROR not in got[req]
+        assert got[req][f"{NAME}@positions"].tolist() == list(range(n)), req
+        torch.testing.assert_close(got[req][NAME], want(list(range(n))), atol=1e-5,
+                                   rtol=1e-5)
+
+
 def test_an_overwritten_ring_fails_the_request_rather_than_shortening_it():
     """Steps whose results nobody read (the reads are skipped here) wrap the ring: the
     labels show it, and the request gets an error naming probe_ring, never fewer rows."""

@@ -208,7 +208,7 @@ def test_family_scores_and_splits_per_request():
     fam.remove_request("a")
     assert bank.held() == 0 and fam.stats() == {
         "requests": 0, "active_slots": 0, "held_requests": 0, "held_bytes": 0,
-        "ring_requests": 0, "ring_steps_total": 0, "ring_reads_total": 0,
+        "ring_requests": 0, "ring_steps_total": 0, "ring_reads_total": 0, "ring_fetches_total": 0,
         "ring_read_ms_total": 0.0}
     et.slots.apply()
     assert (et.ops.probe.entry_vec[1] == 0).all()

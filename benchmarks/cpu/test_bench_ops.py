@@ -277,3 +277,52 @@ def test_probe_ring_decode_step(benchmark, reqs):
         return StepSnapshots([part], None, StepBatch.of(batch)).per_request(output)
 
     assert benchmark(step) == {}
+
+
+@pytest.mark.parametrize("reqs", [16, 64])
+def test_probe_ring_finish_step(benchmark, reqs):
+    """The step at which `reqs` probed requests all reach their length cap (a batch
+    admitted at once finishes at once): each request's ring is read (127 generated
+    positions), joined to its held rows and flushed home. On a GPU the reads also wait
+    for their copies: one wait per fetch of up to 64 slots (engine/ring.py)."""
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.chunks import ERROR
+    from graphtap.courier.held import Ending, StepBatch
+    from graphtap.engine.families.probe import ProbeFamily
+    from graphtap.spec.entries import ProbeEntry
+
+    sites = SiteTable(expand_patterns(["blocks.16.hook_resid_post"], 32))
+    et = allocate(Sizes(max_reqs=R, max_tokens=512, max_len=L, num_sites=1, hidden=H,
+                        steer_width=H, dtype=torch.float32, max_steers=E, max_vectors=V,
+                        max_captures=4, capture_rows=16, capture_width=H, pattern_rows=16,
+                        num_heads=32, patterns=False, max_probes=1, probe_width=1,
+                        probe_rows=256, probe_ring=256), TORCH, torch.device("cpu"))
+    fam = ProbeFamily(et.ops.probe, et.probe, et.slots, backend=TORCH, sites=sites,
+                      max_len=L, model_dtype=torch.float32, bank=VectorBank(et.ops.steer))
+    weights = np.ones(H, np.float32).tobytes()
+    spec = NormalisedSpec(probe=(ProbeEntry(16, "resid_post", "probe:blocks.16.hook_resid_post",
+                                            (weights,), ("w",), (0.0,), False, "generated"),))
+    ids = [f"r{i}" for i in range(reqs)]
+    prompt, out = 256, 128
+    computed = np.full(reqs, prompt + out - 1)  # this step runs position prompt + out - 1
+    written = np.arange(prompt, prompt + out)  # the op wrote the ring through that one
+    batch = SimpleNamespace(req_ids=ids, num_reqs=reqs, num_tokens=reqs,
+                            num_tokens_after_padding=reqs, idx_mapping_np=np.arange(reqs),
+                            num_computed_tokens_np=computed,
+                            num_scheduled_tokens=np.ones(reqs, np.int32))
+    output = SimpleNamespace(req_ids=ids, sampled_token_ids=[[5]] * reqs)
+
+    def admitted():
+        for i, r in enumerate(ids):
+            fam.add_request(i, r, prompt, spec)
+            fam.hold(r, Ending(frozenset({2}), cap=prompt + out, every_step=False))
+            et.ops.probe.ring_pos[i, 0, written % 256] = torch.from_numpy(written).int()
+        et.slots.apply()
+        fam.plan(batch)
+        fam.route(batch, None, fam.plan(batch))
+        return (StepSnapshots([fam.snapshot()], None, StepBatch.of(batch)), output), {}
+
+    got = benchmark.pedantic(lambda snap, o: snap.per_request(o), setup=admitted, rounds=50)
+    assert len(got) == reqs
+    assert all(ERROR not in c and len(c["probe:blocks.16.hook_resid_post"]) == out
+               for c in got.values())

@@ -119,34 +119,41 @@ class HeldRows:
             return {}
         through = {r: t for r, t in zip(batch.req_ids, after) if r in reads}
         if self.reader is not None:
-            for req in reads:
-                found = self.reader.read(req, through.get(req, 0))
-                if found is not None and req in self._serial:
-                    self.take(req, found)
+            self.take(self.reader.read_many([(r, through.get(r, 0)) for r in reads]))
         return self.flush(due, through)
 
-    def take(self, req_id: str, read) -> None:
-        """A ring read's rows (engine/ring.py RingRead) joined to the held
+    def take(self, found: dict) -> None:
+        """Ring reads' rows (request -> engine/ring.py RingRead) joined to the held
         ones, positions the held rows have (routed) left to them; a wanted position in
         neither fails the request's rows."""
+        found = {r: read for r, read in found.items() if r in self._serial}
+        if not found:
+            return
+        serials, sites, positions, _ = self._joined()  # once: a take adds its own rows
+        rows_of = _grouped(serials)
+        for req_id, read in found.items():
+            self._take(req_id, read, rows_of(self._serial[req_id]), sites, positions)
+
+    def _take(self, req_id: str, read, mine: np.ndarray, sites: np.ndarray,
+              positions: np.ndarray) -> None:
+        """take() of one request; `mine`: the indices of its held rows."""
         serial = self._serial[req_id]
-        serials, sites, positions, _ = self._joined()
-        mine = serials == serial
-        for site, want in read.expected.items():
-            routed = positions[mine & (sites == site)]
-            pos, rows = read.found[site]
-            new = ~np.isin(pos, routed)
-            lost = np.setdiff1d(want, np.concatenate([routed, pos]))
+        for site, (pos, rows) in read.found.items():
+            routed = positions[mine[sites[mine] == site]]
+            lost = read.missing[site]
+            if routed.size:  # positions that came as rows (mixed steps): theirs
+                lost = lost[~np.isin(lost, routed)]
+                new = ~np.isin(pos, routed)
+                pos, rows = pos[new], rows[new]
             if lost.size and req_id not in self._failed:
                 self._failed[req_id] = (
                     f"hooks.probe: {lost.size} wanted position(s) from {int(lost[0])} at "
                     f"{self.site_names[site]} were overwritten in the device ring before "
                     f"they were read (raise hook_config.probe_ring); its probe rows were "
                     f"withheld rather than returned incomplete")
-            if new.any():
-                part = (np.full(int(new.sum()), serial, np.int64),
-                        np.full(int(new.sum()), site, np.int64), pos[new].astype(np.int64),
-                        np.ascontiguousarray(rows[new], np.float32))
+            if len(pos):
+                part = (np.full(len(pos), serial, np.int64), np.full(len(pos), site, np.int64),
+                        pos.astype(np.int64), np.ascontiguousarray(rows, np.float32))
                 self._parts.append(part)
                 self._bytes += sum(a.nbytes for a in part)
 
@@ -221,17 +228,18 @@ class HeldRows:
         if not reqs:  # rows of requests gone since wait for the next flush's compaction
             return {}
         serial, site, pos, rows = self._joined()
+        rows_of = _grouped(serial)
         out: dict[str, dict[str, torch.Tensor]] = {}
         for req in reqs:
             s = self._serial.get(req)
             if s is None:
                 continue
-            mine = serial == s
+            mine = rows_of(s)
             chunk: dict[str, torch.Tensor] = {}
             if req in self._failed:
                 chunk[ERROR] = error_tensor(self._failed.pop(req))
             for site_id, width in self._widths[s].items():
-                at = np.flatnonzero(mine & (site == site_id))
+                at = mine[site[mine] == site_id]
                 at = at[np.argsort(pos[at], kind="stable")]  # ring rows join out of order
                 name = self.site_names[site_id]
                 chunk[name] = _tensor(rows[at, :width])
@@ -256,6 +264,14 @@ class HeldRows:
             self._parts = [tuple(np.concatenate([p[i] for p in self._parts])
                                  for i in range(3)) + (rows,)]
         return self._parts[0]
+
+
+def _grouped(serials: np.ndarray):
+    """serial -> the indices of its rows, in order, from one sort (not a comparison of
+    every held row per request: a batch finishing at one step flushes them all)."""
+    order = np.argsort(serials, kind="stable")
+    keys = serials[order]
+    return lambda s: order[np.searchsorted(keys, s, "left"):np.searchsorted(keys, s, "right")]
 
 
 class NoRows:

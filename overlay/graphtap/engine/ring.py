@@ -47,11 +47,12 @@ class _Request:
 
 @dataclass
 class RingRead:
-    """What one read found for a request: per entry, the positions it expected (wanted,
-    in [start, through)) and the ring's rows for those of them it holds."""
+    """What one read found for a request, per entry of positions it wanted in [start,
+    through): the ring's rows for those it holds, and those it does not (overwritten, or
+    never written there because they came as routed rows)."""
 
-    expected: dict[int, np.ndarray]  # site -> positions
     found: dict[int, tuple[np.ndarray, np.ndarray]]  # site -> (positions, rows)
+    missing: dict[int, np.ndarray]  # site -> positions
 
 
 class ProbeRing:
@@ -65,7 +66,7 @@ class ProbeRing:
         self.step_limit = self.size // 4  # tokens of one request a ring step may run
         self._reqs: dict[str, _Request] = {}
         self._half_at: dict[str, int] = {}  # req_id -> where its unread reach half the ring
-        self.steps = self.reads = 0  # counters (stats: *_total, not held state)
+        self.steps = self.reads = self.fetches = 0  # counters (stats: *_total)
         self.read_s = 0.0  # host time in reads (a read waits for its copy)
         self.ring_from = ring_from
         # per slot, for the step plan's one pass: from where on the ring (or nothing)
@@ -73,10 +74,16 @@ class ProbeRing:
         self.ring_ok_from = np.zeros(len(ring_from), np.int64)
         device = t.ring.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        pin = device.type == "cuda"
-        self._host = (torch.empty(t.ring.shape[1:], dtype=t.ring.dtype, pin_memory=pin),
-                      torch.empty(t.ring_pos.shape[1:], dtype=t.ring_pos.dtype,
-                                  pin_memory=pin))
+        # a fetch takes up to _chunk slots at once, into pinned buffers of that many
+        # (at most 64 slots and 8 MiB: a large probe_ring fetches fewer at once)
+        slot_bytes = t.ring[0].nbytes + t.ring_pos[0].nbytes
+        self._chunk = max(1, min(len(ring_from), 64, (8 << 20) // slot_bytes))
+        self._host = ()
+        if self._stream is not None:
+            self._host = (torch.empty((self._chunk, *t.ring.shape[1:]), dtype=t.ring.dtype,
+                                      pin_memory=True),
+                          torch.empty((self._chunk, *t.ring_pos.shape[1:]),
+                                      dtype=t.ring_pos.dtype, pin_memory=True))
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     entries: list[RingEntry], rows_past_prompt: bool = False) -> None:
@@ -113,7 +120,7 @@ class ProbeRing:
 
     def stats(self) -> dict:
         return {"ring_requests": len(self._reqs), "ring_steps_total": self.steps,
-                "ring_reads_total": self.reads,
+                "ring_reads_total": self.reads, "ring_fetches_total": self.fetches,
                 "ring_read_ms_total": round(self.read_s * 1e3, 3)}
 
     def serves(self, slots: np.ndarray, lo: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -136,38 +143,52 @@ class ProbeRing:
         due = self._half_at.get
         return [r for r, t in zip(req_ids, through) if t >= due(r, RING_NEVER)]
 
-    def read(self, req_id: str, through: int) -> RingRead | None:
-        """The request's ring rows of positions [start, through), and what it wanted
-        there; start moves to through. None: nothing to read."""
-        r = self._reqs.get(req_id)
-        if r is None or through <= r.start:
-            return None
-        t0 = time.perf_counter()
-        vals, labels = self._fetch(r.slot)
-        self.read_s += time.perf_counter() - t0
-        self.reads += 1
+    def read_many(self, items: list[tuple[str, int]]) -> dict[str, RingRead]:
+        """Each (request, through)'s ring rows of positions [start, through), and what
+        it wanted there; its start moves to through (requests with nothing to read are
+        left out). Their slots are fetched together: one wait for all their copies, not
+        one per request (a batch admitted at once reads every ring at one step)."""
+        todo = [(req, through, r) for req, through in items
+                if (r := self._reqs.get(req)) is not None and through > r.start]
+        out: dict[str, RingRead] = {}
+        for i in range(0, len(todo), self._chunk):
+            part = todo[i:i + self._chunk]
+            t0 = time.perf_counter()
+            vals, labels = self._fetch([r.slot for _, _, r in part])
+            self.read_s += time.perf_counter() - t0
+            self.reads += len(part)
+            self.fetches += 1
+            for k, (req, through, r) in enumerate(part):
+                out[req] = self._rows(r, through, vals[k], labels[k])
+                self._half_at[req] = through + self.size // 2
+        return out
+
+    def _rows(self, r: _Request, through: int, vals: np.ndarray,
+              labels: np.ndarray) -> RingRead:
         pos = np.arange(r.start, through)
-        expected, found = {}, {}
+        found, missing = {}, {}
         for e in r.entries:
             want = pos[e.mask[r.start:through]]
             if not len(want):
                 continue
-            expected[e.site] = want
             here = labels[e.entry, want % self.size] == want
             found[e.site] = (want[here], vals[e.entry, want[here] % self.size, :e.width])
+            missing[e.site] = want[~here]
         r.start = through
-        self._half_at[req_id] = through + self.size // 2
-        return RingRead(expected, found)
+        return RingRead(found, missing)
 
-    def _fetch(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """The slot's ring and labels on the host. On a GPU on a stream of its own: the
-        step whose rows are read has finished (its output copy event), the one running
-        now writes other rows of the ring. Views: read() indexes out copies of its own."""
-        vals, labels = self._host
+    def _fetch(self, slots: list[int]) -> tuple[list | np.ndarray, list | np.ndarray]:
+        """The slots' rings and labels on the host, in the order given. On a GPU on a
+        stream of its own, into pinned buffers, one wait for all: the step whose rows
+        are read has finished (its output copy event), the one running now writes other
+        rows of the ring. Views: _rows() indexes out copies of its own."""
         if self._stream is None:
-            return self.t.ring[slot].numpy(), self.t.ring_pos[slot].numpy()
+            return ([self.t.ring[s].numpy() for s in slots],
+                    [self.t.ring_pos[s].numpy() for s in slots])
+        vals, labels = self._host
         with torch.cuda.stream(self._stream):
-            vals.copy_(self.t.ring[slot], non_blocking=True)
-            labels.copy_(self.t.ring_pos[slot], non_blocking=True)
+            for k, slot in enumerate(slots):
+                vals[k].copy_(self.t.ring[slot], non_blocking=True)
+                labels[k].copy_(self.t.ring_pos[slot], non_blocking=True)
         self._stream.synchronize()
-        return vals.numpy(), labels.numpy()
+        return vals[:len(slots)].numpy(), labels[:len(slots)].numpy()
