@@ -102,3 +102,19 @@ def test_bad_datasets_name_the_line(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "no prompts" in res.stderr  # before any engine starts
     assert not np.any([p.name == "o" for p in tmp_path.iterdir()])
+
+
+def test_the_same_rows_make_the_same_bytes(tmp_path):
+    """A shard's bytes depend on its rows only (the manifest's sha256 checks resumed
+    shards against them): safetensors wrote several metadata keys in a varying order,
+    so a resumed harvest's identical shard once hashed differently."""
+    from graphtap.harvest import _write
+
+    tensors = {"blocks.1.hook_resid_mid": torch.randn(7, 16), "position": torch.arange(7),
+               "prompt_index": torch.zeros(7, dtype=torch.int64),
+               "token_id": torch.arange(7) + 3}
+    hashes = set()
+    for i in range(20):
+        (tmp_path / str(i)).mkdir()
+        hashes.add(_write(tmp_path / str(i), 3, (6, 8), tensors)["sha256"])
+    assert len(hashes) == 1

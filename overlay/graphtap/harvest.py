@@ -159,8 +159,10 @@ def _write(out: Path, index: int, prompts: tuple[int, int], tensors: dict) -> di
 
     name = f"shard-{index:05d}.safetensors"
     tmp = out / f".{name}.tmp"
-    save_file(tensors, str(tmp), metadata={"graphtap_shard": str(index),
-                                           "prompts": json.dumps(list(prompts))})
+    # one metadata key: safetensors writes several in a varying order (a hash map's),
+    # and the same rows must make the same bytes (the manifest's sha256, resume)
+    save_file(tensors, str(tmp), metadata={"graphtap_shard": json.dumps(
+        {"index": index, "prompts": list(prompts)})})
     os.replace(tmp, out / name)
     return {"index": index, "file": name, "prompts": list(prompts),
             "rows": int(tensors["position"].shape[0]), "bytes": (out / name).stat().st_size,
