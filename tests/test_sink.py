@@ -87,3 +87,22 @@ def test_mismatched_columns_are_refused(tmp_path):
     with pytest.raises(ValueError, match="3 positions, 2 request indices"):
         sink.put("s", np.zeros(2, np.int64), np.arange(3), np.ones((3, 2), np.float32))
     assert sink.close()["shards"] == []
+
+
+def test_flush_writes_partial_shards_without_waiting(tmp_path):
+    """flush() (the capture family's, when its last sink request leaves) writes each
+    site's partial shard after the rows queued before it; later rows start new shards."""
+    sink = SinkWriter(tmp_path, shard_rows=100)
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3)
+    sink.put("a", np.zeros(4, np.int64), np.arange(4), rows)
+    sink.flush()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "index.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [s["rows"] for s in json.loads((tmp_path / "index.json").read_text())["shards"]] \
+        == [4]
+    sink.put("a", np.ones(2, np.int64), np.arange(2), rows[:2])
+    index = sink.close()
+    assert [s["rows"] for s in index["shards"]] == [4, 2]
+    assert np.array_equal(read_site(tmp_path, index, "a")["values"],
+                          np.concatenate([rows, rows[:2]]))

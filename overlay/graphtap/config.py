@@ -50,6 +50,16 @@ class HookConfig(BaseModel):
     save_quota_bytes: int = Field(16 * 2**30, ge=0)
     """Bytes of `save_to` files each API server process may write in its lifetime; past
     it, saves fail with an error naming this option."""
+    sink_dir: str | None = None
+    """The engine's bulk sink (courier/sink.py): captures a request marks `"sink": true`
+    are appended here, per site, to sharded safetensors files with an index.json, by a
+    writer thread in the worker, instead of coming back with the request (none: such
+    captures are refused). The operator picks the folder; a request only opts in."""
+    sink_shard_rows: int = Field(65536, ge=1)
+    """Rows per sink shard file (a partial shard is written once no sink request is left)."""
+    sink_max_queued_bytes: int = Field(256 * 2**20, ge=2**20)
+    """Bytes of rows queued for the sink's writer; past it the engine waits for the
+    writer (backpressure: the engine slows, no row is dropped)."""
     capture_rows: int | None = Field(None, ge=1)
     """Rows of the device capture buffer, per step (each row: one position at one site,
     the widest configured site's values in the model's dtype). Default: the largest step

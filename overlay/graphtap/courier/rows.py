@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from graphtap.courier.chunks import positions_key
@@ -41,6 +42,8 @@ class CaptureStep(LabelledStep):
         # of 64 requests x 3 sites has 192 groups, and the H200 host was ~50 us per copy.
         labels, perm = self.sorted_labels(ORDER)
         groups = list(self.spans(labels, perm, SLOT, SITE))
+        if self.sink is not None:
+            groups = self._to_sink(labels, groups)
         by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
         for g, (_, slot, site, start, end, first, index) in enumerate(groups):
             if index is None:
@@ -64,6 +67,27 @@ class CaptureStep(LabelledStep):
             out.setdefault(req, {})[name] = rows
             out[req][positions_key(name)] = positions[g]
         return out
+
+    def _to_sink(self, labels: np.ndarray, groups: list) -> list:
+        """Sends the groups of sink entries to the sink; returns the others. A request
+        that lost rows this step gets the overflow error and sends none of them."""
+        tap, lost = self.sink, self.overflow()
+        kept, out = [], {}  # (site, format) -> [(request, positions, buffer rows)]
+        for group in groups:
+            req, slot, site, start, end, first, index = group
+            if (slot, site) not in tap.pairs:
+                kept.append(group)
+            elif req not in lost:
+                at = torch.arange(first, first + end - start) if index is None else \
+                    torch.from_numpy(index)
+                out.setdefault((site, self.formats[(slot, site)]), []).append(
+                    (req, labels[start:end, POSITION], at))
+        for (site, fmt), parts in out.items():  # one put per site and format: few, large
+            tap.put(self.site_names[site], [(r, len(p)) for r, p, _ in parts],
+                    np.concatenate([p for _, p, _ in parts]),
+                    self._cut(self.rows[torch.cat([a for _, _, a in parts])], fmt))
+        tap.done()
+        return kept
 
     @staticmethod
     def _cut(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The bulk sink's writer: labelled rows appended to sharded safetensors files by a thread
 of their own, so a harvest's rows leave the engine core's thread as soon as they are
 handed over (issue 18). A second consumer of a step's host rows beside the per-request
-split (courier/snapshot.py); wiring it to the capture family is the next step.
+split: the capture family sends it the rows of entries marked `"sink": true`
+(engine/families/capture.py), which then never go back with their request.
 
 Layout under `root`: per site a folder (`blocks.12.hook_resid_post/`) of shards
 `shard-00000.safetensors`, each with `values` [rows, width], `request` (an index into
@@ -88,6 +89,14 @@ class SinkWriter:
             self.peak_queued = max(self.peak_queued, self._queued)
             self._cv.notify_all()
 
+    def flush(self) -> None:
+        """Write every partial shard once the rows queued before it are written (no
+        wait here): the family asks when its last sink request has left."""
+        with self._cv:
+            if self._error is None and not self._closing:
+                self._queue.append((None, 0))
+                self._cv.notify_all()
+
     def close(self) -> dict:
         """Write what is queued and every partial shard; returns the index."""
         with self._cv:
@@ -108,7 +117,11 @@ class SinkWriter:
                     if not self._queue:
                         break
                     piece, size = self._queue.popleft()
-                self._take(piece)
+                if piece is None:  # flush()
+                    for site in list(self._open):
+                        self._flush(site)
+                else:
+                    self._take(piece)
                 with self._cv:
                     self._queued -= size
                     self._cv.notify_all()

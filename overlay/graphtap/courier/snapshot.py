@@ -85,6 +85,7 @@ class LabelledStep:
         self.site_names, self.capacity = step.site_names, step.capacity
         self.overflow_kind = step.overflow_kind
         self._device = None
+        self.sink = None  # engine.families.capture.SinkTap: rows that go to the sink
 
     def to_cpu_nonblocking(self) -> None:
         # The device clones must stay referenced until the copy has run: the copy is

@@ -7,6 +7,8 @@ of the seam; it decides at trace time, from configuration only, which ops the gr
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.hook_slots import hook_layer_index
@@ -64,6 +66,25 @@ def _widths(vllm_config) -> dict[str, tuple[int, int]]:
             "attn_q": (q, d), "attn_z": (q, d), "attn_k": (kv, d), "attn_v": (kv, d)}
 
 
+def _sink(vllm_config, config):
+    """The engine's bulk sink writer (hook_config.sink_dir), on the worker whose outputs
+    vLLM returns (the first of a tensor-parallel group); a data-parallel replica writes a
+    folder of its own."""
+    if config.sink_dir is None:
+        return None
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from graphtap.courier.sink import SinkWriter
+
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size > 1 and get_tensor_model_parallel_rank() != 0:
+        return None
+    root = Path(config.sink_dir)
+    if pc.data_parallel_size > 1:
+        root = root / f"dp-{pc.data_parallel_rank}"
+    return SinkWriter(root, config.sink_shard_rows, config.sink_max_queued_bytes)
+
+
 class EngineHooks(HookManager):
     """The worker half of vLLM's HookManager: graph-safe steering, captures and patterns
     (graphtap.seam adds the frontend half)."""
@@ -92,7 +113,7 @@ class EngineHooks(HookManager):
         self.families = [
             self.steer,
             CaptureFamily(tables.ops.capture, tables.capture, tables.slots,
-                          widths=widths, **rows)]
+                          widths=widths, sink=_sink(vllm_config, self.config), **rows)]
         self.probes = tables.probe is not None
         self.max_len = mc.max_model_len
         if self.probes:

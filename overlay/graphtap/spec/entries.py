@@ -66,6 +66,7 @@ class CaptureEntry(msgspec.Struct, frozen=True):
     dtype: str  # "model" or "float32"
     heads: tuple[int, ...] | None  # attention sites: chosen heads, ascending; None: all
     positions: PositionRule
+    sink: bool = False  # rows go to the engine's bulk sink, not back with the request
 
 
 class PatternEntry(msgspec.Struct, frozen=True):

@@ -25,7 +25,7 @@ def response_rows(spec: NormalisedSpec, prompt_len: int, max_tokens: int, max_le
             counts[key] = int(np.count_nonzero(position_mask(rule, prompt_len, max_len)[:ran]))
         return counts[key]
 
-    return (sum(count(c.positions) for c in spec.capture) +
+    return (sum(count(c.positions) for c in spec.capture if not c.sink) +
             sum(count(p.positions) * len(p.heads) for p in spec.pattern) +
             sum(count(p.positions) for p in spec.probe) +
             sum(count(m.positions) * len(m.heads) for m in spec.mass))
@@ -50,6 +50,8 @@ def response_bytes(spec: NormalisedSpec, prompt_len: int, max_tokens: int, shape
     head_dim = shape.head_dim or shape.hidden_size // max(shape.num_heads, 1)
     total = 0
     for c in spec.capture:
+        if c.sink:  # written by the worker's sink, never held for the response
+            continue
         size = 4 if c.dtype == "float32" else model
         if c.kind in RESID_KINDS:
             width = shape.hidden_size

@@ -175,12 +175,18 @@ def _captures(spec: HookSpec, shape: ModelShape):
         seen.add(site)
         heads = _heads(c.heads, site, i, shape)
         positions = rule_of(c.positions, f"hooks.capture[{i}]", shape.max_model_len)
+        if c.sink and not shape.sink:
+            raise ValueError(f"hooks.capture[{i}].sink: this engine has no bulk sink "
+                             f"(hook_config.sink_dir)")
+        if c.sink and site.capture_family == "pattern":
+            raise ValueError(f"hooks.capture[{i}].sink: {site.name}: attention patterns "
+                             f"do not go to the sink (row sites only)")
         if site.capture_family == "pattern":
             patterns.append(PatternEntry(site.layer, site.name, c.dtype,
                                          heads or tuple(range(shape.num_heads)), positions))
         else:
             rows.append(CaptureEntry(site.layer, site.kind, site.name, c.dtype, heads,
-                                     positions))
+                                     positions, c.sink))
     return tuple(rows), tuple(patterns)
 
 

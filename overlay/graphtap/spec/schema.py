@@ -157,6 +157,9 @@ class Capture(_Rows):
     heads: list[int] | None = Field(None, min_length=1)
     """Attention sites only: which heads (q, z and pattern: query heads; k and v: KV
     heads). Default: all."""
+    sink: bool = False
+    """The rows go to the engine's bulk sink (hook_config.sink_dir) instead of coming
+    back with the request: harvesting at volume. Row sites only (not hook_pattern)."""
 
 
 class Probe(BaseModel):

@@ -29,6 +29,7 @@ class ModelShape(BaseModel):
     num_heads: int = 0
     num_kv_heads: int = 0
     save_root: str | None = None
+    sink: bool = False  # the engine has a bulk sink (hook_config.sink_dir)
     max_response_rows: int = 65536
     dtype: str = "float32"  # the model's: steering arithmetic must stay finite in it
     head_dim: int = 0

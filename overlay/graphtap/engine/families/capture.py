@@ -2,6 +2,7 @@
 each request asked for, returned per request by the courier."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from graphtap.courier import CaptureStep, OverflowKind, RowFormat, columns
@@ -18,9 +19,11 @@ class CaptureFamily(RowFamily):
     overflow_kind = OverflowKind.CAPTURE_ROWS
     host_labels = HOST_LABELS
 
-    def __init__(self, *args, widths: dict[str, tuple[int, int]], **kwargs):
+    def __init__(self, *args, widths: dict[str, tuple[int, int]], sink=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.widths = widths  # kind -> (row width, head_dim or 0)
+        self.sink = sink  # courier.sink.SinkWriter of the engine (hook_config.sink_dir)
+        self._sunk: dict[int, frozenset[int]] = {}  # slot -> its sites' ids sent to the sink
 
     def entries(self, spec: NormalisedSpec) -> tuple:
         return spec.capture
@@ -37,6 +40,47 @@ class CaptureFamily(RowFamily):
         super().add_request(slot, req_id, prompt_len, spec)
         if spec.capture:
             self._cols[slot] = max(map(columns, self._formats[slot].values()))
+        sunk = frozenset(self.sites.id_of(e.layer, e.kind) for e in spec.capture if e.sink)
+        if sunk and self.sink is not None and req_id in self._slot_of:
+            self._sunk[slot] = sunk
+
+    def remove_request(self, req_id: str) -> None:
+        slot = self._slot_of.get(req_id)
+        super().remove_request(req_id)
+        if slot is not None and self._sunk.pop(slot, None) is not None and not self._sunk:
+            self.sink.flush()  # the last sink request left: its partial shards go out
+
+    def snapshot(self):
+        step = super().snapshot()
+        if step is not None and self._sunk:
+            pairs = {(s, site) for s in step.slot_to_req for site in self._sunk.get(s, ())}
+            if pairs:
+                step.sink = SinkTap(self.sink, pairs, self._sunk)
+        return step
+
+
+class SinkTap:
+    """What a capture step sends to the sink: the (slot, site) pairs whose rows go there
+    instead of into their request's output."""
+
+    def __init__(self, writer, pairs: set[tuple[int, int]], live: dict):
+        self.writer, self.pairs, self._live = writer, pairs, live
+
+    def put(self, site: str, runs: list[tuple[str, int]], positions: np.ndarray,
+            rows: torch.Tensor) -> None:
+        """`runs`: (request id, rows) in the order of `positions` and `rows`."""
+        if rows.dtype == torch.bfloat16:  # numpy (and so the writer) has no bfloat16
+            rows = rows.float()
+        index = self.writer.request_index
+        request = np.repeat([index(r) for r, _ in runs], [n for _, n in runs])
+        self.writer.put(site, request.astype(np.int64), positions.astype(np.int64),
+                        rows.numpy())
+
+    def done(self) -> None:
+        """After the step's puts: with no sink request left (the last finished before
+        its rows came home) the partial shards go out now."""
+        if not self._live:
+            self.writer.flush()
 
     def columns(self, slots, hi: int) -> int:
         # A row spans the widest configured site (Qwen2-1.5B: 1536 columns) where k rows
