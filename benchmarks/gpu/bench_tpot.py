@@ -9,7 +9,9 @@ layout and differ only in table contents: idle (no hooks), steer (every request 
 vector at that site, all positions), hs (hidden states at 3 layers, last prompt token),
 qk (post-RoPE q at the last prompt token and k at every prompt token, 4 layers x 4
 heads), mixed (all of them), dump (residuals at the hs layers at every position: the
-capture-throughput load, rows and bytes counted per run), focus (attention mass on two
+capture-throughput load, rows and bytes counted per run), sink (dump's rows sent to the
+engine's bulk sink, hook_config.sink_dir: rows and bytes on disk per run, and the
+machine's device-to-host and disk write speeds measured first), focus (attention mass on two
 spans at the last prompt token, 4 layers x 4 heads, read by an annotating Attention
 Tracker guard), probe (one probe on one layer at every generated token, read by a probe
 guard). The configured sites are the union of the modes asked for.
@@ -45,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.gpu.tpot_stats import summarise
-from benchmarks.gpu.workloads import (ARCHS, count_rows, hook_config, mode_hooks, model_dir,
-                       steer_vector)
+from benchmarks.gpu.workloads import (ARCHS, count_rows, hook_config, link_probe, mode_hooks,
+                                      model_dir, sink_totals, steer_vector)
 
 REQUESTS_PER_RATE = {1: 12, 4: 24, 8: 32, 16: 48}
 
@@ -68,9 +70,10 @@ def engine_args(args, path: str, cfg: dict, memory: float | None = None):
     if args.variant == "graphtap":
         from graphtap.runner_info import WORKER_EXTENSION
 
-        kw.update(hook_manager="graphtap", hook_config=hook_config(
-            cfg, args.modes.split(",") + args.burst_modes.split(",")),
-            worker_extension_cls=WORKER_EXTENSION)
+        config = hook_config(cfg, args.modes.split(",") + args.burst_modes.split(","))
+        args.sink_dir = config.get("sink_dir")
+        kw.update(hook_manager="graphtap", hook_config=config,
+                  worker_extension_cls=WORKER_EXTENSION)
     return AsyncEngineArgs(**kw)
 
 
@@ -198,6 +201,8 @@ async def bench(args) -> dict:
               "host": platform.node(), "gpu": gpu_name(), "vllm": vllm_version()}
     out = Path(args.out) / f"tpot-{args.model}-{args.variant}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if "sink" in modes:  # the limits the sink is measured against, on this machine
+        result["link"] = link_probe()
     try:
         await run_rate(engine, args, cfg, max(args.rates or [8.0]), -1, None)  # warm-up only
         # As `vllm serve` does after start (server_utils): the frontend's static objects
@@ -210,10 +215,13 @@ async def bench(args) -> dict:
             for rate, burst in loads(args):
                 # modes alternate (same engine, same moment), their order rotating per rep
                 for mode in rotated(modes + (burst_modes if burst else []), rep):
+                    before = sink_totals(getattr(args, "sink_dir", None))
                     r = await run_rate(engine, args, cfg, rate, rep,
                                        mode_hooks(mode, cfg, vec, args.input_len),
                                        burst)
                     r["mode"] = mode
+                    if mode == "sink":
+                        r.update(await sink_run(args.sink_dir, before, r["wall_s"]))
                     if args.variant == "graphtap":
                         r["hook_counters"] = await hook_counters(engine)
                     result["runs"].append(r)
@@ -222,6 +230,23 @@ async def bench(args) -> dict:
     finally:
         engine.shutdown()
     return write_result(result, out, final=True)
+
+
+async def sink_run(root: str, before: tuple[int, int], wall: float) -> dict:
+    """A sink run's rows and bytes on disk (index.json once its partial shards are out:
+    the last sink request's leaving flushes them) and the rates over the run's wall."""
+    t = time.perf_counter()
+    rows, nbytes = sink_totals(root)
+    while time.perf_counter() - t < 30:
+        await asyncio.sleep(0.2)
+        now = sink_totals(root)
+        if now == (rows, nbytes):
+            break
+        rows, nbytes = now
+    rows, nbytes = rows - before[0], nbytes - before[1]
+    return {"sink_rows": rows, "sink_bytes": nbytes, "sink_rows_per_s": rows / wall,
+            "sink_gb_per_s": nbytes / wall / 1e9,
+            "sink_settle_s": time.perf_counter() - t}
 
 
 def loads(args) -> list[tuple[float, int]]:

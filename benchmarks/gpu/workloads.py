@@ -38,14 +38,17 @@ def model_dir(name: str) -> tuple[str, dict]:
 def hook_config(cfg: dict, modes: list[str]) -> dict:
     """The configured sites are the union of the modes' sites (plus the steering site)."""
     sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
-    if {"hs", "mixed", "dump"} & set(modes):
+    if {"hs", "mixed", "dump", "sink"} & set(modes):
         sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
     if {"qk", "mixed"} & set(modes):
         sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
     if "focus" in modes:  # attention mass is computed at pattern sites
         sites += [f"blocks.{layer}.attn.hook_pattern" for layer in qk_layers(cfg)]
     # dump captures 3 rows per token: room for a full prefill step of 16k tokens
-    return {"sites": sorted(set(sites)), "max_captures": 16, "capture_rows": 3 * 16384}
+    config = {"sites": sorted(set(sites)), "max_captures": 16, "capture_rows": 3 * 16384}
+    if "sink" in modes:  # the engine's bulk sink: dump's rows written by its worker
+        config["sink_dir"] = tempfile.mkdtemp(prefix="graphtap-sink-")
+    return config
 
 
 def steer_layer(cfg: dict) -> int:
@@ -90,7 +93,51 @@ def mode_hooks(mode: str, cfg: dict, vec, prompt_len: int = 256) -> dict | None:
     return {"idle": None, "idle2": None, "plain": None, "steer": {"steer": steer},
             "hs": {"capture": hs},
             "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk},
-            "dump": {"capture": dump}, "focus": focus, "probe": probe}[mode]
+            "dump": {"capture": dump}, "focus": focus, "probe": probe,
+            "sink": {"capture": [{**c, "sink": True} for c in dump]}}[mode]
+
+
+def sink_totals(root: str | None) -> tuple[int, int]:
+    """(rows, bytes) the engine's sink has written so far (its index.json)."""
+    index = Path(root or "/nonexistent") / "index.json"
+    if not index.exists():
+        return 0, 0
+    shards = json.loads(index.read_text())["shards"]
+    return sum(s["rows"] for s in shards), sum(s["bytes"] for s in shards)
+
+
+def link_probe(gib: float = 1.0) -> dict:
+    """This machine's physical limits in the same run: device -> pinned host copy
+    (cudaMemcpy through torch) and sequential write to the sink's disk, in GB/s."""
+    import os
+    import time
+
+    import torch
+
+    n = int(gib * 2**30)
+    out = {}
+    if torch.cuda.is_available():
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host.copy_(dev)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(3):
+            host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        out["d2h_gb_s"] = 3 * n / (time.perf_counter() - t) / 1e9
+        del dev, host
+    path = Path(tempfile.mkdtemp(prefix="graphtap-disk-")) / "probe.bin"
+    block = os.urandom(64 << 20)
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(n // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    out["disk_write_gb_s"] = n / (time.perf_counter() - t) / 1e9
+    path.unlink()
+    return out
 
 
 def count_rows(hooks) -> tuple[int, int, int]:
