@@ -234,15 +234,10 @@ def test_probe_guard_step(benchmark, reqs):
     assert out == {}
 
 
-@pytest.mark.parametrize("reqs", [16, 64])
-def test_probe_ring_decode_step(benchmark, reqs):
-    """A probe's per-step host work in the worker while `reqs` probed requests decode
-    with the ring (engine/ring.py): the plan finds a ring step (no
-    routing, no rows), the step set asks whether any request may finish (none does).
-    Compare test_probe_guard_step: the held rows of one step (routed, cloned, copied)."""
-    from graphtap.courier import StepSnapshots
-    from graphtap.courier.held import Ending, StepBatch
-    from graphtap.engine.families.probe import RING_STEP, ProbeFamily
+def _ring_probe_family():
+    """CPU engine tables and a probe family with one probe at blocks.16 on every
+    generated position, in a ring of 256: the spec its requests add."""
+    from graphtap.engine.families.probe import ProbeFamily
     from graphtap.spec.entries import ProbeEntry
 
     sites = SiteTable(expand_patterns(["blocks.16.hook_resid_post"], 32))
@@ -256,6 +251,20 @@ def test_probe_ring_decode_step(benchmark, reqs):
     weights = np.ones(H, np.float32).tobytes()
     spec = NormalisedSpec(probe=(ProbeEntry(16, "resid_post", "probe:blocks.16.hook_resid_post",
                                             (weights,), ("w",), (0.0,), False, "generated"),))
+    return et, fam, spec
+
+
+@pytest.mark.parametrize("reqs", [16, 64])
+def test_probe_ring_decode_step(benchmark, reqs):
+    """A probe's per-step host work in the worker while `reqs` probed requests decode
+    with the ring (engine/ring.py): the plan finds a ring step (no
+    routing, no rows), the step set asks whether any request may finish (none does).
+    Compare test_probe_guard_step: the held rows of one step (routed, cloned, copied)."""
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.held import Ending, StepBatch
+    from graphtap.engine.families.probe import RING_STEP
+
+    et, fam, spec = _ring_probe_family()
     ids = [f"r{i}" for i in range(reqs)]
     for i, r in enumerate(ids):
         fam.add_request(i, r, 256, spec)
@@ -288,20 +297,8 @@ def test_probe_ring_finish_step(benchmark, reqs):
     from graphtap.courier import StepSnapshots
     from graphtap.courier.chunks import ERROR
     from graphtap.courier.held import Ending, StepBatch
-    from graphtap.engine.families.probe import ProbeFamily
-    from graphtap.spec.entries import ProbeEntry
 
-    sites = SiteTable(expand_patterns(["blocks.16.hook_resid_post"], 32))
-    et = allocate(Sizes(max_reqs=R, max_tokens=512, max_len=L, num_sites=1, hidden=H,
-                        steer_width=H, dtype=torch.float32, max_steers=E, max_vectors=V,
-                        max_captures=4, capture_rows=16, capture_width=H, pattern_rows=16,
-                        num_heads=32, patterns=False, max_probes=1, probe_width=1,
-                        probe_rows=256, probe_ring=256), TORCH, torch.device("cpu"))
-    fam = ProbeFamily(et.ops.probe, et.probe, et.slots, backend=TORCH, sites=sites,
-                      max_len=L, model_dtype=torch.float32, bank=VectorBank(et.ops.steer))
-    weights = np.ones(H, np.float32).tobytes()
-    spec = NormalisedSpec(probe=(ProbeEntry(16, "resid_post", "probe:blocks.16.hook_resid_post",
-                                            (weights,), ("w",), (0.0,), False, "generated"),))
+    et, fam, spec = _ring_probe_family()
     ids = [f"r{i}" for i in range(reqs)]
     prompt, out = 256, 128
     computed = np.full(reqs, prompt + out - 1)  # this step runs position prompt + out - 1
