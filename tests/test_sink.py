@@ -106,3 +106,15 @@ def test_flush_writes_partial_shards_without_waiting(tmp_path):
     assert [s["rows"] for s in index["shards"]] == [4, 2]
     assert np.array_equal(read_site(tmp_path, index, "a")["values"],
                           np.concatenate([rows, rows[:2]]))
+
+
+def test_positions_written_twice_are_listed(tmp_path):
+    """A recomputed request (preemption) writes its positions again: index.json's
+    `repeated` names it, so a reader keeps the last row of each position."""
+    sink = SinkWriter(tmp_path, shard_rows=4)
+    rows = np.zeros((3, 2), np.float32)
+    sink.put("a", np.array([0, 0, 1]), np.array([0, 1, 0]), rows)
+    sink.put("a", np.array([0, 1, 1]), np.array([2, 1, 2]), rows)  # request 0 goes on
+    sink.put("b", np.array([0, 0, 0]), np.array([0, 1, 2]), rows)  # another site: its own
+    sink.put("a", np.array([1, 1, 1]), np.array([0, 1, 2]), rows)  # request 1 recomputed
+    assert sink.close()["repeated"] == [1]

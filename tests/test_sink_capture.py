@@ -95,6 +95,7 @@ def test_sunk_rows_equal_per_request_captures_and_hf(engine, llama_path, sink_di
     assert [o.outputs[0].token_ids for o in outs[len(ids):]] == \
         [o.outputs[0].token_ids for o in again]
     assert all(x["rows"] <= 7 for x in index["shards"])  # shards of sink_shard_rows
+    assert index["repeated"] == []  # no preemption here: every position ran once
 
 
 def test_sink_needs_an_engine_sink():

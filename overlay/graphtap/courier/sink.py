@@ -7,7 +7,10 @@ split: the capture family sends it the rows of entries marked `"sink": true`
 Layout under `root`: per site a folder (`blocks.12.hook_resid_post/`) of shards
 `shard-00000.safetensors`, each with `values` [rows, width], `request` (an index into
 the requests of `index.json`) and `position`; `index.json` lists the requests and every
-shard written (rows, bytes), rewritten after each. Shards are written under a temporary
+shard written (rows, bytes), rewritten after each. A position that ran twice (vLLM
+recomputes a preempted request) has two rows, the later one written later: `repeated`
+lists the requests that have such rows (keep the last row of a position, as the
+per-request path does). Shards are written under a temporary
 name and renamed: a reader never sees half a shard.
 
 Memory is bounded: `put` blocks while the rows queued for the thread would pass
@@ -52,6 +55,8 @@ class SinkWriter:
         self._open: dict[str, list] = {}  # site -> pending pieces of its next shard
         self._count: dict[str, int] = {}  # site -> shards written
         self._shards: list[dict] = []
+        self._through: dict[str, dict[int, int]] = {}  # site -> request -> last position
+        self._repeated: set[int] = set()  # requests with a position written twice
         self._thread = threading.Thread(target=self._run, name="graphtap-sink", daemon=True)
         self._thread.start()
 
@@ -134,6 +139,12 @@ class SinkWriter:
 
     def _take(self, piece) -> None:
         site, request, position, values = piece
+        seen = self._through.setdefault(site, {})
+        for r in np.unique(request).tolist():  # the few requests of one step's piece
+            mine = position[request == r]
+            if r in seen and int(mine.min()) <= seen[r]:
+                self._repeated.add(r)
+            seen[r] = max(seen.get(r, -1), int(mine.max()))
         pending = self._open.setdefault(site, [])
         pending.append((request, position, values))
         while sum(len(p[0]) for p in pending) >= self.shard_rows:
@@ -166,7 +177,8 @@ class SinkWriter:
     def _index(self) -> dict:
         with self._cv:
             requests = sorted(self._requests, key=self._requests.get)
-        return {"graphtap_sink": 1, "requests": requests, "shards": list(self._shards)}
+        return {"graphtap_sink": 1, "requests": requests, "shards": list(self._shards),
+                "repeated": sorted(self._repeated)}
 
     def _write_index(self) -> None:
         tmp = self.root / f".{INDEX}.tmp"

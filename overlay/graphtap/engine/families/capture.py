@@ -37,6 +37,7 @@ class CaptureFamily(RowFamily):
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
+        self._sunk.pop(slot, None)
         super().add_request(slot, req_id, prompt_len, spec)
         if spec.capture:
             self._cols[slot] = max(map(columns, self._formats[slot].values()))
