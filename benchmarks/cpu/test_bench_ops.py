@@ -323,3 +323,43 @@ def test_probe_ring_finish_step(benchmark, reqs):
     assert len(got) == reqs
     assert all(ERROR not in c and len(c["probe:blocks.16.hook_resid_post"]) == out
                for c in got.values())
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["new-vector", "resident-vector"])
+def test_admission_tables(benchmark, fresh):
+    """The worker's half of admission (issue 18: <= 0.3 ms a request with the spec's
+    half, test_spec_validation): a request that steers one site with a 4096-float vector
+    and captures another is written into the tables (the vector into the resident bank
+    when new, its slot's entries, the staged writes applied) and removed again."""
+    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 32))
+    width = 4096
+    et = allocate(Sizes(max_reqs=R, max_tokens=512, max_len=L, num_sites=len(sites),
+                        hidden=width, steer_width=width, dtype=torch.float32, max_steers=E,
+                        max_vectors=V, max_captures=4, capture_rows=64, capture_width=width,
+                        pattern_rows=16, num_heads=32, patterns=False), TORCH,
+                  torch.device("cpu"))
+    steer = SteerFamily(et, sites, VectorBank(et.ops.steer))
+    cap = CaptureFamily(et.ops.capture, et.capture, et.slots,
+                        widths={"resid_post": (width, 0)}, backend=TORCH, sites=sites,
+                        max_len=L, model_dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    vectors = iter([rng.normal(size=width).astype(np.float32).tobytes() for _ in range(4000)])
+    fixed = next(vectors)
+
+    def spec():
+        vec = next(vectors) if fresh else fixed
+        return NormalisedSpec(
+            steer=(SteerEntry(3, "resid_post", vec, str(hash(vec)), 1.0, -np.inf, np.inf,
+                              "all"),),
+            capture=(CaptureEntry(5, "resid_post", "blocks.5.hook_resid_post", "float32",
+                                  None, "last_prompt"),)), {}
+
+    def admit(s):
+        steer.add_request(7, "r", 200, s)
+        cap.add_request(7, "r", 200, s)
+        et.slots.apply()
+        steer.apply_staged_writes()
+        steer.remove_request("r")
+        cap.remove_request("r")
+
+    benchmark.pedantic(lambda s: admit(s), setup=lambda: ((spec()[0],), {}), rounds=300)

@@ -8,6 +8,7 @@ number of requests or fields (11 copies per request before).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,7 @@ class SlotField:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)  # not np.prod: ~5 us a call, ~30 calls an admission
 
 
 class SlotLayout:
