@@ -18,6 +18,7 @@ import graphtap.ops  # noqa: F401  registers the graph ops before any trace
 from graphtap.config import HookConfig, load_hook_config
 from graphtap.courier import StepSnapshots
 from graphtap.courier.held import Ending, StepBatch
+from graphtap.courier.sink import SinkWriter
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.families.mass import MassFamily
 from graphtap.engine.families.pattern import PatternFamily
@@ -73,8 +74,6 @@ def _sink(vllm_config, config):
     if config.sink_dir is None:
         return None
     from vllm.distributed import get_tensor_model_parallel_rank
-
-    from graphtap.courier.sink import SinkWriter
 
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size > 1 and get_tensor_model_parallel_rank() != 0:

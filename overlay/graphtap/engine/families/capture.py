@@ -74,8 +74,7 @@ class SinkTap:
             rows = rows.float()
         index = self.writer.request_index
         request = np.repeat([index(r) for r, _ in runs], [n for _, n in runs])
-        self.writer.put(site, request.astype(np.int64), positions.astype(np.int64),
-                        rows.numpy())
+        self.writer.put(site, request, positions, rows.numpy())  # it takes int64 of them
 
     def done(self) -> None:
         """After the step's puts: with no sink request left (the last finished before
