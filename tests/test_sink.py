@@ -15,7 +15,8 @@ WIDTHS = {"blocks.0.hook_resid_post": 8, "blocks.1.attn.hook_q": 12, "blocks.2.h
 
 def read_site(root, index, site):
     parts = [load_file(str(root / s["file"])) for s in index["shards"] if s["site"] == site]
-    return {k: np.concatenate([p[k] for p in parts]) for k in ("values", "request", "position")}
+    return {k: np.concatenate([p[k] for p in parts])
+            for k in ("values", "request", "position", "token_id")}
 
 
 def test_every_row_comes_out_once_in_order(tmp_path):
@@ -28,7 +29,8 @@ def test_every_row_comes_out_once_in_order(tmp_path):
         site = list(WIDTHS)[int(rng.integers(len(WIDTHS)))]
         n = int(rng.integers(0, 30))
         piece = (rng.integers(0, 5, n), rng.integers(0, 500, n),
-                 rng.normal(size=(n, WIDTHS[site])).astype(np.float32))
+                 rng.normal(size=(n, WIDTHS[site])).astype(np.float32),
+                 rng.integers(0, 32000, n))
         sink.put(site, *piece)
         put[site].append(piece)
     index = sink.close()
@@ -36,10 +38,11 @@ def test_every_row_comes_out_once_in_order(tmp_path):
     assert index["requests"] == [f"req-{i}" for i in range(5)]
     for site, pieces in put.items():
         got = read_site(tmp_path, index, site)
-        want = [np.concatenate([p[i] for p in pieces]) for i in range(3)]
+        want = [np.concatenate([p[i] for p in pieces]) for i in range(4)]
         assert np.array_equal(got["request"], want[0])
         assert np.array_equal(got["position"], want[1])
         assert np.array_equal(got["values"], want[2])
+        assert np.array_equal(got["token_id"], want[3])
         rows = [s["rows"] for s in index["shards"] if s["site"] == site]
         assert all(r == 37 for r in rows[:-1]) and 0 < rows[-1] <= 37
     assert not list(tmp_path.rglob(".*.tmp"))  # no half-written shard left
@@ -118,3 +121,26 @@ def test_positions_written_twice_are_listed(tmp_path):
     sink.put("b", np.array([0, 0, 0]), np.array([0, 1, 2]), rows)  # another site: its own
     sink.put("a", np.array([1, 1, 1]), np.array([0, 1, 2]), rows)  # request 1 recomputed
     assert sink.close()["repeated"] == [1]
+
+
+def test_model_dtype_rows_keep_their_dtype_and_sync_waits_for_the_disk(tmp_path):
+    """bfloat16 rows are written as bfloat16 (not widened: a harvest of a bf16 model
+    would write twice the bytes); sync() returns once every row put is in a shard,
+    partial shards included, and unknown token ids are -1."""
+    import torch
+    from safetensors.torch import load_file as load_torch
+
+    sink = SlowDisk(tmp_path, shard_rows=1000)
+    values = torch.randn(30, 16).to(torch.bfloat16)
+    for i in range(3):
+        sink.put("blocks.0.hook_resid_post", np.zeros(10, np.int64), np.arange(10) + 10 * i,
+                 values[10 * i:10 * i + 10])
+    index = sink.sync()
+    assert [s["rows"] for s in index["shards"]] == [30]  # the partial shard, all rows
+    got = load_torch(str(tmp_path / index["shards"][0]["file"]))
+    assert got["values"].dtype == torch.bfloat16 and torch.equal(got["values"], values)
+    assert got["token_id"].tolist() == [-1] * 30
+    sink.put("blocks.0.hook_resid_post", np.zeros(5, np.int64), np.arange(30, 35),
+             values[:5])
+    assert [s["rows"] for s in sink.sync()["shards"]] == [30, 5]
+    sink.close()

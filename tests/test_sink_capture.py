@@ -5,7 +5,6 @@ labelled by request and position, equal to the per-request capture of the same p
 that do not sink in the same batch are untouched; partial shards are written once the
 last sink request has left."""
 import json
-import time
 
 import pytest
 import torch
@@ -38,17 +37,11 @@ def spec(sink: bool) -> dict:
                         for s in SITES]}
 
 
-def read_sink(root, want_rows: int, timeout: float = 60.0):
-    """The sink's index and per-site rows once `want_rows` rows per site are written."""
-    deadline = time.monotonic() + timeout
-    while True:
-        index = json.loads((root / "index.json").read_text()) if (
-            root / "index.json").exists() else {"shards": []}
-        per_site = {s: sum(x["rows"] for x in index["shards"] if x["site"] == s)
-                    for s in SITES}
-        if all(n >= want_rows for n in per_site.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+def read_sink(engine, root):
+    """The sink's index and per-site rows, once the worker says every row is written
+    (graphtap_sink_sync: partial shards out, the writer's queue empty)."""
+    index = engine.collective_rpc("graphtap_sink_sync")[0]
+    assert index == {"root": str(root), **json.loads((root / "index.json").read_text())}
     files = {s: [load_file(str(root / x["file"])) for x in index["shards"] if x["site"] == s]
              for s in SITES}
     return index, {s: {k: torch.cat([f[k] for f in fs]) for k in fs[0]} if fs else None
@@ -67,7 +60,7 @@ def test_sunk_rows_equal_per_request_captures_and_hf(engine, llama_path, sink_di
     sunk = [i for i in range(len(ids)) if i % 2 == 0]
     # positions run through the model: the prompt and every generated token but the last
     ran = {i: len(ids[i]) + 2 for i in range(len(ids))}
-    index, rows = read_sink(sink_dir, sum(ran[i] for i in sunk))
+    index, rows = read_sink(engine, sink_dir)
     # the engine core's ids: vLLM appends "-" and 8 hex digits to each request's id
     requests = [r.rsplit("-", 1)[0] for r in index["requests"]]
     assert sorted(requests) == sorted(outs[i].request_id for i in sunk)
@@ -87,6 +80,8 @@ def test_sunk_rows_equal_per_request_captures_and_hf(engine, llama_path, sink_di
             pos = rows[s]["position"][mine]
             order = torch.argsort(pos)
             assert pos[order].tolist() == list(range(ran[i]))  # each position once
+            # each row's input token, read on the device (decode tokens included)
+            assert rows[s]["token_id"][mine][order].tolist() == full[:ran[i]]
             got = rows[s]["values"][mine][order]
             torch.testing.assert_close(got, solo.hooks[s], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got, ref[s][:ran[i]], rtol=1e-4, atol=1e-4)

@@ -70,7 +70,10 @@ def engine_args(args, path: str, cfg: dict, memory: float | None = None):
     if args.variant == "graphtap":
         from graphtap.runner_info import WORKER_EXTENSION
 
-        config = hook_config(cfg, args.modes.split(",") + args.burst_modes.split(","))
+        config = hook_config(cfg, args.modes.split(",") + args.burst_modes.split(","),
+                             args.sink_layers)
+        if args.sink_queue_gb and "sink_dir" in config:  # host memory the sink may fill
+            config["sink_max_queued_bytes"] = int(args.sink_queue_gb * 2**30)
         args.sink_dir = config.get("sink_dir")
         kw.update(hook_manager="graphtap", hook_config=config,
                   worker_extension_cls=WORKER_EXTENSION)
@@ -217,11 +220,11 @@ async def bench(args) -> dict:
                 for mode in rotated(modes + (burst_modes if burst else []), rep):
                     before = sink_totals(getattr(args, "sink_dir", None))
                     r = await run_rate(engine, args, cfg, rate, rep,
-                                       mode_hooks(mode, cfg, vec, args.input_len),
-                                       burst)
+                                       mode_hooks(mode, cfg, vec, args.input_len,
+                                                  args.sink_layers), burst)
                     r["mode"] = mode
                     if mode == "sink":
-                        r.update(await sink_run(args.sink_dir, before, r["wall_s"]))
+                        r.update(await sink_run(engine, before, r["wall_s"], args.quick))
                     if args.variant == "graphtap":
                         r["hook_counters"] = await hook_counters(engine)
                     result["runs"].append(r)
@@ -232,21 +235,22 @@ async def bench(args) -> dict:
     return write_result(result, out, final=True)
 
 
-async def sink_run(root: str, before: tuple[int, int], wall: float) -> dict:
-    """A sink run's rows and bytes on disk (index.json once its partial shards are out:
-    the last sink request's leaving flushes them) and the rates over the run's wall."""
+async def sink_run(engine, before: tuple[int, int], wall: float, keep: bool = False) -> dict:
+    """A sink run's rows and bytes on disk, once the worker says all are written
+    (graphtap_sink_sync), and the rates over the run's wall (settle_s: the wait for the
+    writer after the run's last token)."""
     t = time.perf_counter()
-    rows, nbytes = sink_totals(root)
-    while time.perf_counter() - t < 30:
-        await asyncio.sleep(0.2)
-        now = sink_totals(root)
-        if now == (rows, nbytes):
-            break
-        rows, nbytes = now
-    rows, nbytes = rows - before[0], nbytes - before[1]
+    index = (await engine.collective_rpc("graphtap_sink_sync"))[0]
+    settle = time.perf_counter() - t
+    root = Path(index["root"])
+    rows = sum(s["rows"] for s in index["shards"]) - before[0]
+    nbytes = sum(s["bytes"] for s in index["shards"]) - before[1]
+    if not keep:  # counted: the files go (a harvest of every layer fills a 64 GiB disk)
+        for shard in index["shards"]:
+            (root / shard["file"]).unlink(missing_ok=True)
     return {"sink_rows": rows, "sink_bytes": nbytes, "sink_rows_per_s": rows / wall,
-            "sink_gb_per_s": nbytes / wall / 1e9,
-            "sink_settle_s": time.perf_counter() - t}
+            "sink_gb_per_s": nbytes / wall / 1e9, "sink_settle_s": settle,
+            "sink_rows_per_s_settled": rows / (wall + settle)}
 
 
 def loads(args) -> list[tuple[float, int]]:
@@ -342,6 +346,11 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
                          "focus (Attention Tracker guard), probe (probe guard)")
     ap.add_argument("--burst-modes", default="",
                     help="modes run only at the bursts (e.g. dump: the throughput load)")
+    ap.add_argument("--sink-layers", choices=["hs", "all"], default="hs",
+                    help="the sink mode's residual layers: dump's 3, or every layer")
+    ap.add_argument("--sink-queue-gb", type=float, default=0,
+                    help="the sink's bound on queued rows (default: the engine's 256 MiB); "
+                         "larger: the engine runs ahead of the disk into host memory")
     ap.add_argument("--rates", default="1,4,8,16")
     ap.add_argument("--bursts", default="", help="also: N requests at once, e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=3)

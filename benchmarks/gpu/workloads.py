@@ -35,17 +35,24 @@ def model_dir(name: str) -> tuple[str, dict]:
     return str(d), ARCHS[name]
 
 
-def hook_config(cfg: dict, modes: list[str]) -> dict:
-    """The configured sites are the union of the modes' sites (plus the steering site)."""
+def hook_config(cfg: dict, modes: list[str], sink: str = "hs") -> dict:
+    """The configured sites are the union of the modes' sites (plus the steering site).
+    `sink`: the sink mode's layers (sink_layers)."""
     sites = [f"blocks.{steer_layer(cfg)}.hook_resid_post"]
     if {"hs", "mixed", "dump", "sink"} & set(modes):
         sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
+    per_token = 3  # dump's rows per token
+    if "sink" in modes:
+        sites += [f"blocks.{layer}.hook_resid_post" for layer in sink_layers(cfg, sink)]
+        per_token = max(per_token, len(sink_layers(cfg, sink)))
     if {"qk", "mixed"} & set(modes):
         sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
     if "focus" in modes:  # attention mass is computed at pattern sites
         sites += [f"blocks.{layer}.attn.hook_pattern" for layer in qk_layers(cfg)]
-    # dump captures 3 rows per token: room for a full prefill step of 16k tokens
-    config = {"sites": sorted(set(sites)), "max_captures": 16, "capture_rows": 3 * 16384}
+    # dump captures 3 rows per token (a sink of every layer 32): room for a full prefill
+    # step of 16k tokens
+    config = {"sites": sorted(set(sites)), "max_captures": max(16, per_token),
+              "capture_rows": per_token * 16384}
     if "sink" in modes:  # the engine's bulk sink: dump's rows written by its worker
         config["sink_dir"] = tempfile.mkdtemp(prefix="graphtap-sink-")
     return config
@@ -60,12 +67,19 @@ def hs_layers(cfg: dict) -> list[int]:  # hallucination-probe style: 3 layers, l
     return [n // 4, n // 2, 3 * n // 4]
 
 
+def sink_layers(cfg: dict, which: str) -> list[int]:
+    """The sink mode's layers: dump's three ("hs"), or every layer ("all": a harvest of
+    the whole residual stream, rows per token = layers)."""
+    return hs_layers(cfg) if which == "hs" else list(range(cfg["num_hidden_layers"]))
+
+
 def qk_layers(cfg: dict) -> list[int]:  # Attention-Tracker style: 4 layers x 4 heads
     n = cfg["num_hidden_layers"]
     return [n // 8, n // 4, n // 2, 3 * n // 4][:4]
 
 
-def mode_hooks(mode: str, cfg: dict, vec, prompt_len: int = 256) -> dict | None:
+def mode_hooks(mode: str, cfg: dict, vec, prompt_len: int = 256,
+               sink: str = "hs") -> dict | None:
     """Per-request spec of a benchmark mode (None: no hooks)."""
     steer = [{"site": f"blocks.{steer_layer(cfg)}.hook_resid_post", "op": "add", "scale": 1.0,
               "vector": vec, "positions": "all"}]
@@ -94,7 +108,8 @@ def mode_hooks(mode: str, cfg: dict, vec, prompt_len: int = 256) -> dict | None:
             "hs": {"capture": hs},
             "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk},
             "dump": {"capture": dump}, "focus": focus, "probe": probe,
-            "sink": {"capture": [{**c, "sink": True} for c in dump]}}[mode]
+            "sink": {"capture": [{"site": f"blocks.{layer}.hook_resid_post", "positions": "all",
+                                  "sink": True} for layer in sink_layers(cfg, sink)]}}[mode]
 
 
 def sink_totals(root: str | None) -> tuple[int, int]:

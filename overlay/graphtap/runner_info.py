@@ -30,11 +30,16 @@ class RunnerInfoExtension:
             if hasattr(runner.hooks, "op_tables") else {},
         }
 
-
     def graphtap_hook_stats(self) -> dict:
         """What the worker's hook families hold now (graphtap.engine.manager.stats)."""
         hooks = self.model_runner.hooks  # type: ignore[attr-defined]
         return hooks.stats() if hasattr(hooks, "stats") else {}
+
+    def graphtap_sink_sync(self) -> dict | None:
+        """The bulk sink's index once all its rows are written (engine.manager.sink_sync):
+        None on a worker that writes no sink."""
+        hooks = self.model_runner.hooks  # type: ignore[attr-defined]
+        return hooks.sink_sync() if hasattr(hooks, "sink_sync") else None
 
 
 def _name(value) -> str:

@@ -72,22 +72,47 @@ class CaptureStep(LabelledStep):
         """Sends the groups of sink entries to the sink; returns the others. A request
         that lost rows this step gets the overflow error and sends none of them."""
         tap, lost = self.sink, self.overflow()
-        kept, out = [], {}  # (site, format) -> [(request, positions, buffer rows)]
+        kept, out = [], {}  # (site, format) -> [(request, positions, first row, rows)]
         for group in groups:
             req, slot, site, start, end, first, index = group
             if (slot, site) not in tap.pairs:
                 kept.append(group)
             elif req not in lost:
-                at = torch.arange(first, first + end - start) if index is None else \
-                    torch.from_numpy(index)
+                rows = (first, end - start) if index is None else torch.from_numpy(index)
                 out.setdefault((site, self.formats[(slot, site)]), []).append(
-                    (req, labels[start:end, POSITION], at))
+                    (req, labels[start:end, POSITION], rows))
+        tokens = self.tokens.numpy()
         for (site, fmt), parts in out.items():  # one put per site and format: few, large
+            values, tok = self._sink_rows(fmt, [r for *_, r in parts], tokens)
             tap.put(self.site_names[site], [(r, len(p)) for r, p, _ in parts],
-                    np.concatenate([p for _, p, _ in parts]),
-                    self._cut(self.rows[torch.cat([a for _, _, a in parts])], fmt))
+                    np.concatenate([p for _, p, _ in parts]), values, tok)
         tap.done()
         return kept
+
+    def _sink_rows(self, fmt: RowFormat, parts: list, tokens: np.ndarray):
+        """One site's sink rows in its format, and their token ids. A request's rows of a
+        site are one run of the buffer (the usual case): in the buffer's dtype and
+        width they go to the writer as views of the pinned step buffer, written from
+        there (it returns to the allocator once written; the sink's byte bound counts
+        it); otherwise slice copies with the cast in the same pass (an index gather
+        then a cast moved every byte twice, and a harvest step is gigabytes)."""
+        dtype, width, heads, head_dim = fmt
+        if heads is not None or any(not isinstance(p, tuple) for p in parts):
+            at = torch.cat([torch.arange(p[0], p[0] + p[1]) if isinstance(p, tuple) else p
+                            for p in parts])
+            return self._cut(self.rows[at], fmt), tokens[at.numpy()]
+        tok = np.concatenate([tokens[first:first + n] for first, n in parts])
+        if dtype == self.rows.dtype and width == self.rows.shape[1]:
+            views = [self.rows[first:first + n] for first, n in parts]
+            return ([v.view(n, -1, head_dim) for v, (_, n) in zip(views, parts)]
+                    if head_dim else views), tok
+        total = sum(n for _, n in parts)
+        values = torch.empty((total, width), dtype=dtype)
+        at = 0
+        for first, n in parts:
+            values[at:at + n].copy_(self.rows[first:first + n, :width])
+            at += n
+        return (values if not head_dim else values.view(total, -1, head_dim)), tok
 
     @staticmethod
     def _cut(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:

@@ -5,9 +5,11 @@ split: the capture family sends it the rows of entries marked `"sink": true`
 (engine/families/capture.py), which then never go back with their request.
 
 Layout under `root`: per site a folder (`blocks.12.hook_resid_post/`) of shards
-`shard-00000.safetensors`, each with `values` [rows, width], `request` (an index into
-the requests of `index.json`) and `position`; `index.json` lists the requests and every
-shard written (rows, bytes), rewritten after each. A position that ran twice (vLLM
+`shard-00000.safetensors`, each with `values` [rows, width] in the entry's dtype
+(bfloat16 stays bfloat16), `request` (an index into the requests of `index.json`),
+`position` and `token_id` (the input token at that position, read from the step's
+input ids on the device); `index.json` lists the requests and every shard written (rows,
+bytes), rewritten after each. A position that ran twice (vLLM
 recomputes a preempted request) has two rows, the later one written later: `repeated`
 lists the requests that have such rows (keep the last row of a position, as the
 per-request path does). Shards are written under a temporary
@@ -26,6 +28,9 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from graphtap.courier.shardfile import write_pieces
 
 INDEX = "index.json"
 
@@ -57,6 +62,7 @@ class SinkWriter:
         self._shards: list[dict] = []
         self._through: dict[str, dict[int, int]] = {}  # site -> request -> last position
         self._repeated: set[int] = set()  # requests with a position written twice
+        self._busy = False  # the thread holds a piece it has taken off the queue
         self._thread = threading.Thread(target=self._run, name="graphtap-sink", daemon=True)
         self._thread.start()
 
@@ -67,17 +73,24 @@ class SinkWriter:
             return self._requests.setdefault(req_id, len(self._requests))
 
     def put(self, site: str, request: np.ndarray, position: np.ndarray,
-            values: np.ndarray) -> None:
-        """Rows of one site: request indices, positions, values [n, width]."""
+            values, token: np.ndarray | None = None) -> None:
+        """Rows of one site: request indices, positions, values [n, width] (a tensor,
+        an array, or a list of tensors whose rows follow each other: views of a step
+        buffer are written from where they are), the input token ids (None: -1)."""
         n = len(position)
-        if not (len(request) == n == len(values)):
-            raise ValueError(f"sink: {n} positions, {len(request)} request indices and "
-                             f"{len(values)} rows")
+        token = np.full(n, -1, np.int64) if token is None else np.asarray(token, np.int64)
+        chunks = [torch.as_tensor(v) for v in values] if isinstance(values, list) else \
+            [torch.as_tensor(values)]
+        rows = sum(len(c) for c in chunks)
+        if not (len(request) == n == rows == len(token)):
+            raise ValueError(f"sink: {n} positions, {len(request)} request indices, "
+                             f"{len(token)} token ids and {rows} rows")
         if not n:
             return
         piece = (site, np.asarray(request, np.int64), np.asarray(position, np.int64),
-                 np.ascontiguousarray(values))
-        size = sum(a.nbytes for a in piece[1:])
+                 token, [c.contiguous() for c in chunks if len(c)])
+        size = sum(a.nbytes for a in piece[1:4]) + \
+            sum(c.numel() * c.element_size() for c in piece[4])
         with self._cv:
             waited = False
             while (self._error is None and self._queue
@@ -102,6 +115,21 @@ class SinkWriter:
                 self._queue.append((None, 0))
                 self._cv.notify_all()
 
+    def sync(self, timeout: float = 600.0) -> dict:
+        """Write every partial shard and wait until everything put before is on disk;
+        returns the index (the worker answers `graphtap_sink_sync` with it, so a
+        harvest reads its requests' rows once they are all written)."""
+        with self._cv:
+            if self._error is None and not self._closing:
+                self._queue.append((None, 0))
+                self._cv.notify_all()
+            if not self._cv.wait_for(lambda: self._error is not None or
+                                     (not self._queue and not self._busy), timeout):
+                raise SinkFailed(f"sink: not written within {timeout} s")
+            if self._error is not None:
+                raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
+        return self._index()
+
     def close(self) -> dict:
         """Write what is queued and every partial shard; returns the index."""
         with self._cv:
@@ -122,6 +150,7 @@ class SinkWriter:
                     if not self._queue:
                         break
                     piece, size = self._queue.popleft()
+                    self._busy = True
                 if piece is None:  # flush()
                     for site in list(self._open):
                         self._flush(site)
@@ -129,6 +158,7 @@ class SinkWriter:
                     self._take(piece)
                 with self._cv:
                     self._queued -= size
+                    self._busy = False
                     self._cv.notify_all()
             for site in list(self._open):
                 self._flush(site)
@@ -138,7 +168,7 @@ class SinkWriter:
                 self._cv.notify_all()
 
     def _take(self, piece) -> None:
-        site, request, position, values = piece
+        site, request, position, token, chunks = piece
         seen = self._through.setdefault(site, {})
         for r in np.unique(request).tolist():  # the few requests of one step's piece
             mine = position[request == r]
@@ -146,28 +176,30 @@ class SinkWriter:
                 self._repeated.add(r)
             seen[r] = max(seen.get(r, -1), int(mine.max()))
         pending = self._open.setdefault(site, [])
-        pending.append((request, position, values))
+        pending.append((request, position, token, chunks))
         while sum(len(p[0]) for p in pending) >= self.shard_rows:
             self._flush(site, self.shard_rows)
             pending = self._open.get(site, [])
 
     def _flush(self, site: str, rows: int | None = None) -> None:
         """Write the site's first `rows` pending rows (all: None) as its next shard."""
-        from safetensors.numpy import save_file
-
         pending = self._open.pop(site, [])
         if not pending:
             return
-        request, position, values = (np.concatenate([p[i] for p in pending]) for i in range(3))
+        request, position, token = (np.concatenate([p[i] for p in pending]) for i in range(3))
+        chunks = [c for p in pending for c in p[3]]
         if rows is not None and rows < len(position):
-            self._open[site] = [(request[rows:], position[rows:], values[rows:])]
-            request, position, values = request[:rows], position[:rows], values[:rows]
+            chunks, rest = _cut(chunks, rows)
+            self._open[site] = [(request[rows:], position[rows:], token[rows:], rest)]
+            request, position, token = request[:rows], position[:rows], token[:rows]
         k = self._count.get(site, 0)
         folder = self.root / site
         folder.mkdir(exist_ok=True)
         name = f"shard-{k:05d}.safetensors"
         tmp = folder / f".{name}.tmp"
-        save_file({"values": values, "request": request, "position": position}, str(tmp))
+        write_pieces(tmp, {"values": chunks, "request": [torch.from_numpy(request)],
+                           "position": [torch.from_numpy(position)],
+                           "token_id": [torch.from_numpy(token)]})
         os.replace(tmp, folder / name)
         self._count[site] = k + 1
         self._shards.append({"site": site, "file": f"{site}/{name}", "rows": int(len(position)),
@@ -184,3 +216,17 @@ class SinkWriter:
         tmp = self.root / f".{INDEX}.tmp"
         tmp.write_text(json.dumps(self._index(), indent=1))
         os.replace(tmp, self.root / INDEX)
+
+
+def _cut(chunks: list[torch.Tensor], rows: int) -> tuple[list, list]:
+    """The chunks' first `rows` rows and the rest, as views (nothing copied)."""
+    head, at = [], 0
+    for i, c in enumerate(chunks):
+        if at + len(c) <= rows:
+            head.append(c)
+            at += len(c)
+            continue
+        if rows > at:
+            head.append(c[:rows - at])
+        return head, [c[rows - at:], *chunks[i + 1:]]
+    return head, []

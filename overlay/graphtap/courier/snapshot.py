@@ -86,6 +86,7 @@ class LabelledStep:
         self.overflow_kind = step.overflow_kind
         self._device = None
         self.sink = None  # engine.families.capture.SinkTap: rows that go to the sink
+        self.tokens = None  # per row its input token id (sink steps only)
 
     def to_cpu_nonblocking(self) -> None:
         # The device clones must stay referenced until the copy has run: the copy is
@@ -93,10 +94,12 @@ class LabelledStep:
         # main stream's pool and be overwritten by the next step first (the garbage
         # counts and lost rows seen on the H200 before this). Released in per_request,
         # which runs after the copy event.
-        self._device = (self.rows, self.labels, self.count)
+        self._device = (self.rows, self.labels, self.count, self.tokens)
         self.rows = self.rows.to("cpu", non_blocking=True)
         self.labels = self.labels.to("cpu", non_blocking=True)
         self.count = self.count.to("cpu", non_blocking=True)
+        if self.tokens is not None:
+            self.tokens = self.tokens.to("cpu", non_blocking=True)
 
     def release_device(self) -> None:
         self._device = None

@@ -109,10 +109,11 @@ class EngineHooks(HookManager):
                     model_dtype=mc.dtype)
         bank = VectorBank(tables.ops.steer)  # resident vectors: steering and probe weights
         self.steer = SteerFamily(tables, self.sites, bank)
+        self.sink = _sink(vllm_config, self.config)
         self.families = [
             self.steer,
             CaptureFamily(tables.ops.capture, tables.capture, tables.slots,
-                          widths=widths, sink=_sink(vllm_config, self.config), **rows)]
+                          widths=widths, sink=self.sink, **rows)]
         self.probes = tables.probe is not None
         self.max_len = mc.max_model_len
         if self.probes:
@@ -206,6 +207,12 @@ class EngineHooks(HookManager):
         self.router.deactivate()
         for family in self.families:
             family.deactivate()
+
+    def sink_sync(self) -> dict | None:
+        """The sink's index once every row handed to it is on disk (None: this worker
+        writes none); graphtap harvest asks after each run of prompts."""
+        return None if self.sink is None else {"root": str(self.sink.root),
+                                                **self.sink.sync()}
 
     def stats(self) -> dict:
         """Per family what it holds now; GET /v1/graphtap/stats shows it per worker."""

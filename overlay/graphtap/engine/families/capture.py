@@ -8,6 +8,7 @@ import torch
 from graphtap.courier import CaptureStep, OverflowKind, RowFormat, columns
 from graphtap.courier.rows import HOST_LABELS
 from graphtap.engine.rows import RowFamily
+from graphtap.ops.tables import Label
 from graphtap.spec.entries import NormalisedSpec
 
 
@@ -24,6 +25,7 @@ class CaptureFamily(RowFamily):
         self.widths = widths  # kind -> (row width, head_dim or 0)
         self.sink = sink  # courier.sink.SinkWriter of the engine (hook_config.sink_dir)
         self._sunk: dict[int, frozenset[int]] = {}  # slot -> its sites' ids sent to the sink
+        self._input_ids: torch.Tensor | None = None  # the routed step's, while it sinks
 
     def entries(self, spec: NormalisedSpec) -> tuple:
         return spec.capture
@@ -51,12 +53,25 @@ class CaptureFamily(RowFamily):
         if slot is not None and self._sunk.pop(slot, None) is not None and not self._sunk:
             self.sink.flush()  # the last sink request left: its partial shards go out
 
+    def route(self, input_batch, router, plan) -> None:
+        super().route(input_batch, router, plan)
+        self._input_ids = input_batch.input_ids if self._sunk else None
+
+    def deactivate(self) -> None:
+        super().deactivate()
+        self._input_ids = None
+
     def snapshot(self):
         step = super().snapshot()
         if step is not None and self._sunk:
             pairs = {(s, site) for s in step.slot_to_req for site in self._sunk.get(s, ())}
             if pairs:
                 step.sink = SinkTap(self.sink, pairs, self._sunk)
+                # each row's input token id, gathered on the device by its TOKEN label
+                # (copied home with the rows): decode tokens exist nowhere else here
+                ids, n = self._input_ids, len(step.rows)
+                tok = self.t.labels[:n, Label.TOKEN].clamp(0, len(ids) - 1)
+                step.tokens = ids[tok].to(torch.int64)
         return step
 
 
@@ -68,13 +83,11 @@ class SinkTap:
         self.writer, self.pairs, self._live = writer, pairs, live
 
     def put(self, site: str, runs: list[tuple[str, int]], positions: np.ndarray,
-            rows: torch.Tensor) -> None:
-        """`runs`: (request id, rows) in the order of `positions` and `rows`."""
-        if rows.dtype == torch.bfloat16:  # numpy (and so the writer) has no bfloat16
-            rows = rows.float()
+            rows: torch.Tensor, tokens: np.ndarray) -> None:
+        """`runs`: (request id, rows) in the order of `positions`, `rows` and `tokens`."""
         index = self.writer.request_index
         request = np.repeat([index(r) for r, _ in runs], [n for _, n in runs])
-        self.writer.put(site, request, positions, rows.numpy())  # it takes int64 of them
+        self.writer.put(site, request, positions, rows, tokens)  # it takes int64 of them
 
     def done(self) -> None:
         """After the step's puts: with no sink request left (the last finished before
