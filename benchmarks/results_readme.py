@@ -137,7 +137,39 @@ def _demo(group: dict) -> str:
     return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
-RENDER = {"demo": _demo, "check": _check, "tpot": _tpot, "capture": _capture, "profile": _profile,
+def _sink(group: dict) -> str:
+    """Per file and load: the sink's rows and bytes, its rates over the run (the engine's
+    side) and including the wait for the writer afterwards (on disk), the machine's
+    probes (median run of the repetitions after the first), and TPOT vs idle paired per
+    request (pooled over every repetition)."""
+    lines = ["| file | layers | load | rows / run | GB / run | rows/s (run) | GB/s (run) | "
+             "GB/s incl. writer | D2H probe | disk probe | TPOT vs idle | dump vs idle |",
+             "|---" * 12 + "|"]
+    for name in group["files"]:
+        d = json.loads((RESULTS / name).read_text())
+        over = d.get("summary_overhead_vs_idle_pct", {})
+        link = d.get("link", {})
+        layers = group["layers"][name]  # the launch's --sink-layers, as a count
+        by_load: dict[str, list] = {}
+        for r in d["runs"]:
+            if r["mode"] == "sink" and r["rep"] > 0:  # rep 0: the host's pinned pool grows
+                by_load.setdefault(str(r["rate"]), []).append(r)
+        for load, runs in by_load.items():
+            med = sorted(runs, key=lambda r: r["sink_rows_per_s"])[len(runs) // 2]
+            total = med["wall_s"] + med["sink_settle_s"]
+            dump = over.get("dump", {}).get(load, {}).get("pooled")
+            lines.append(
+                f"| {name} | {layers} | {load.replace('burst', '')} at once | "
+                f"{med['sink_rows']:,} | {med['sink_bytes'] / 1e9:.2f} | "
+                f"{med['sink_rows_per_s']:,.0f} | {med['sink_gb_per_s']:.2f} | "
+                f"{med['sink_bytes'] / total / 1e9:.2f} | {link.get('d2h_gb_s', 0):.1f} | "
+                f"{link.get('disk_write_gb_s', 0):.2f} | "
+                f"{over['sink'][load]['pooled']:+.1f} % | "
+                f"{'–' if dump is None else f'{dump:+.1f} %'} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDER = {"sink": _sink, "demo": _demo, "check": _check, "tpot": _tpot, "capture": _capture, "profile": _profile,
           "soak": _soak, "kernels": _kernels}
 
 
