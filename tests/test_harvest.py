@@ -1,10 +1,12 @@
-"""`graphtap harvest` (graphtap/harvest.py) on the tiny Llama, one engine: every prompt's
-rows once, labelled by prompt, position and token, equal to the per-request capture of
-the same prompt and to HF's residual stream; an interrupted harvest resumes to the same
+"""`graphtap harvest` (graphtap/harvest.py) on the tiny Llama, one engine with a bulk
+sink: every prompt's rows once, labelled by prompt, position and token, equal to the
+per-request capture of the same prompt and to HF's residual stream; the sink and the
+per-request transport write the same bytes; an interrupted harvest resumes to the same
 files; a directory holding another harvest is refused; bad datasets name the line."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +22,10 @@ TEXTS = ["The quick brown fox", "Steering vectors shift the hidden state",
 
 
 @pytest.fixture(scope="module")
-def engine(llama_path):
-    llm = make_llm(llama_path, hook_manager="graphtap", hook_config={"sites": SITES})
+def engine(llama_path, tmp_path_factory):
+    llm = make_llm(llama_path, hook_manager="graphtap", hook_config={
+        "sites": SITES, "sink_dir": str(tmp_path_factory.mktemp("sink")),
+        "sink_shard_rows": 5})  # small shards: a run's rows span several
     yield llm
     shutdown(llm)
 
@@ -61,6 +65,24 @@ def test_rows_come_once_labelled_and_equal_captures_and_hf(engine, prompts, llam
         for s in SITES:
             torch.testing.assert_close(joined[s][mine], solo.hooks[s], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(joined[s][mine], ref[s][:len(x)], rtol=1e-4, atol=1e-4)
+
+
+def test_the_sink_and_the_per_request_path_write_the_same_bytes(engine, prompts, tmp_path):
+    """The rows through the sink (never in a RequestOutput) make the same files as the
+    same prompts captured per request; the sink's files are gone once read."""
+    via_sink = harvest(engine, prompts, SITES, tmp_path / "sink", shard_prompts=2,
+                       progress=False, sink=True)
+    per_request = harvest(engine, prompts, SITES, tmp_path / "request", shard_prompts=2,
+                          progress=False, sink=False)
+    assert [s["sha256"] for s in via_sink["shards"]] == \
+        [s["sha256"] for s in per_request["shards"]]
+    index = engine.collective_rpc("graphtap_sink_sync")[0]
+    assert index["shards"] and not list(Path(index["root"]).rglob("*.safetensors"))
+    # dtype "model" (the engine's own, float32 on this CPU) through the sink as well
+    a = harvest(engine, prompts[:2], SITES, tmp_path / "ms", dtype="model", progress=False)
+    b = harvest(engine, prompts[:2], SITES, tmp_path / "mr", dtype="model", progress=False,
+                sink=False)
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
 
 
 def test_an_interrupted_harvest_resumes_to_the_same_files(engine, prompts, tmp_path):

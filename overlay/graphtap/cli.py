@@ -133,13 +133,21 @@ def _harvest(args) -> int:
         positions = json.loads(args.positions) if args.positions[:1] in "[{" else args.positions
     except ValueError as e:
         raise SystemExit(f"graphtap harvest: {e}") from None
+    import shutil
+    from pathlib import Path
+
+    # the engine's bulk sink, where the rows land before harvest arranges them by prompt:
+    # anything left there by an interrupted run is not this run's
+    sink = Path(args.out) / ".sink"
+    shutil.rmtree(sink, ignore_errors=True)
     llm = make_llm(args.model, eager=not args.compile, hook_manager="graphtap",
-                   hook_config={"sites": args.sites})
+                   hook_config={"sites": args.sites, "sink_dir": str(sink)})
     try:
         manifest = harvest(llm, prompts, args.sites, args.out, positions, args.dtype,
                            args.shard_prompts, args.max_tokens)
     finally:
         shutdown(llm)
+    shutil.rmtree(sink, ignore_errors=True)
     Console().print(f"{args.out}: {manifest['rows']} rows at {len(args.sites)} site(s) from "
                     f"{len(prompts)} prompts in {len(manifest['shards'])} shard(s)"
                     f"{'' if manifest['complete'] else ' (incomplete)'}")

@@ -9,9 +9,10 @@ A shard's tensors: one per site (`blocks.L.hook_resid_post`: [rows, width]) and,
 row, `prompt_index` (into the dataset), `position` and `token_id` (the token at that
 position). Rows are in (prompt, position) order; every site has the same rows.
 
-The rows come home through graphtap's per-request capture path today (each finished
-request's outputs); issue 18's bulk sink, which streams rows off the device outside
-that path, is to replace the transport under the same files."""
+Transport: with the engine's bulk sink (hook_config.sink_dir; `graphtap harvest` sets
+one up) the rows leave the worker by the sink's writer thread, outside the per-request
+output merge (harvest_sink.py); without one, through each finished request's outputs.
+The files are the same bytes either way."""
 from __future__ import annotations
 
 import hashlib
@@ -72,12 +73,20 @@ def prompts_sha256(prompts: list) -> str:
 
 def harvest(llm, prompts: list, sites: list[str], out_dir: str | Path, positions="all",
             dtype: str = "float32", shard_prompts: int = 64, max_tokens: int = 1,
-            stop_after: int | None = None, progress: bool = True) -> dict:
+            stop_after: int | None = None, progress: bool = True,
+            sink: bool | None = None) -> dict:
     """Harvest into out_dir (see the module docstring); returns the manifest. Shards
     the manifest already lists, with files whose sha256 matches, are skipped.
-    `stop_after`: write at most this many new shards (an interrupted run, in tests)."""
+    `stop_after`: write at most this many new shards (an interrupted run, in tests).
+    `sink`: through the engine's bulk sink (None: if the engine has one)."""
+    from graphtap.harvest_sink import sink_index
+
     if shard_prompts < 1 or max_tokens < 1:
         raise ValueError("harvest: shard_prompts and max_tokens must be at least 1")
+    index = sink_index(llm) if sink is not False else None
+    if sink and index is None:
+        raise ValueError("harvest: sink=True needs an engine with hook_config.sink_dir")
+    seen = None if index is None else len(index["shards"])  # sink shards read so far
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plan = HarvestPlan(str(llm.llm_engine.model_config.model), tuple(sites), positions, dtype,
@@ -95,7 +104,7 @@ def harvest(llm, prompts: list, sites: list[str], out_dir: str | Path, positions
             if stop_after is not None and written >= stop_after:
                 break
             end = min(start + shard_prompts, len(prompts))
-            tensors, tokens = _shard(llm, prompts[start:end], start, plan)
+            tensors, tokens, seen = _shard(llm, prompts[start:end], start, plan, seen)
             entry = _write(out, index, (start, end), tensors)
             manifest["shards"].append(entry)
             manifest["shards"].sort(key=lambda s: s["index"])
@@ -119,39 +128,57 @@ def harvest(llm, prompts: list, sites: list[str], out_dir: str | Path, positions
     return manifest
 
 
-def _shard(llm, prompts: list, first: int, plan: HarvestPlan) -> tuple[dict, int]:
+def _shard(llm, prompts: list, first: int, plan: HarvestPlan,
+           seen: int | None) -> tuple[dict, int, int | None]:
+    """One shard's tensors, its tokens, and the sink shards read so far (None: no sink)."""
     from vllm import SamplingParams
 
-    spec = {"capture": [{"site": s, "positions": plan.positions, "dtype": plan.dtype}
-                        for s in plan.sites]}
+    from graphtap.harvest_sink import rows_from_sink
+
+    spec = {"capture": [{"site": s, "positions": plan.positions, "dtype": plan.dtype,
+                         "sink": seen is not None} for s in plan.sites]}
     params = SamplingParams(max_tokens=plan.max_tokens, temperature=0.0, ignore_eos=True,
                             hooks=spec)
     inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
     outs = llm.generate(inputs, params, use_tqdm=False)
-    per_site: dict[str, list[torch.Tensor]] = {s: [] for s in plan.sites}
+    for i, o in enumerate(outs):
+        if o.hooks is not None and o.hooks.error:
+            raise RuntimeError(f"harvest: prompt {first + i}: {o.hooks.error}")
+    if seen is not None:
+        rows, where, seen = rows_from_sink(llm, outs, plan.sites, seen, first)
+    else:
+        rows, where = _rows_from_outputs(outs, plan.sites, first)
+    per_site: dict[str, list[torch.Tensor]] = {s: [r[s] for r in rows] for s in plan.sites}
     index, position, token = [], [], []
     tokens = 0
-    for i, o in enumerate(outs):
-        hooks = o.hooks
-        if hooks is None or hooks.error:
-            raise RuntimeError(f"harvest: prompt {first + i}: "
-                               f"{getattr(hooks, 'error', None) or 'no captures came back'}")
+    for i, (o, pos) in enumerate(zip(outs, where)):
         ids = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
         tokens += len(ids)
-        pos = hooks.positions[plan.sites[0]]
-        for s in plan.sites:
-            if not torch.equal(hooks.positions[s], pos):
-                raise RuntimeError(f"harvest: prompt {first + i}: {s} came back at other "
-                                   f"positions than {plan.sites[0]}")
-            per_site[s].append(hooks[s])
         index.append(np.full(len(pos), first + i, np.int64))
-        position.append(pos.numpy().astype(np.int64))
-        token.append(np.asarray(ids, np.int64)[pos.numpy()])
+        position.append(pos.astype(np.int64))
+        token.append(np.asarray(ids, np.int64)[pos])
     tensors = {s: torch.cat(rows).contiguous() for s, rows in per_site.items()}
     tensors["prompt_index"] = torch.from_numpy(np.concatenate(index))
     tensors["position"] = torch.from_numpy(np.concatenate(position))
     tensors["token_id"] = torch.from_numpy(np.concatenate(token))
-    return tensors, tokens
+    return tensors, tokens, seen
+
+
+def _rows_from_outputs(outs: list, sites: tuple[str, ...], first: int):
+    """Per output {site: rows} and the positions, from the requests' own captures."""
+    rows, where = [], []
+    for i, o in enumerate(outs):
+        hooks = o.hooks
+        if hooks is None:
+            raise RuntimeError(f"harvest: prompt {first + i}: no captures came back")
+        pos = hooks.positions[sites[0]]
+        for s in sites:
+            if not torch.equal(hooks.positions[s], pos):
+                raise RuntimeError(f"harvest: prompt {first + i}: {s} came back at other "
+                                   f"positions than {sites[0]}")
+        rows.append({s: hooks[s] for s in sites})
+        where.append(pos.numpy())
+    return rows, where
 
 
 def _write(out: Path, index: int, prompts: tuple[int, int], tensors: dict) -> dict:
