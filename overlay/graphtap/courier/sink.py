@@ -15,9 +15,12 @@ lists the requests that have such rows (keep the last row of a position, as the
 per-request path does). Shards are written under a temporary
 name and renamed: a reader never sees half a shard.
 
-Memory is bounded: `put` blocks while the rows queued for the thread would pass
-`max_queued_bytes` (backpressure: the engine slows, nothing is dropped); one put larger
-than the bound alone still goes through. A failed write (a full disk) stops the writer
+Memory is bounded: `put` blocks while the rows the writer holds, queued or gathered
+into shards not yet written, would pass `max_queued_bytes` (backpressure: the engine
+slows, nothing is dropped); one put larger than the bound alone still goes through.
+While a put waits the writer writes its largest open shard early, as a shorter one: a
+shard of every site open at once (32 layers x 65536 rows of 8 KiB) would hold 16 GiB,
+and a piece that is a view of a pinned step buffer holds that whole buffer. A failed write (a full disk) stops the writer
 and every later `put` raises SinkFailed with the cause: rows are never lost silently."""
 from __future__ import annotations
 
@@ -51,8 +54,9 @@ class SinkWriter:
         self.shard_rows, self.max_queued_bytes = shard_rows, max_queued_bytes
         self._requests: dict[str, int] = {}
         self._queue: deque = deque()
-        self._queued = 0
-        self.peak_queued = 0  # the most bytes ever queued (tests hold it to the bound)
+        self._held = 0  # bytes put and not yet written: queued, and in open shards
+        self._waiting = 0  # puts waiting for room
+        self.peak_held = 0  # the most bytes ever held (tests hold it to the bound)
         self.waits = 0  # puts that waited for room (backpressure applied)
         self._cv = threading.Condition()
         self._closing = False
@@ -93,18 +97,21 @@ class SinkWriter:
             sum(c.numel() * c.element_size() for c in piece[4])
         with self._cv:
             waited = False
-            while (self._error is None and self._queue
-                   and self._queued + size > self.max_queued_bytes):
+            while (self._error is None and self._held
+                   and self._held + size > self.max_queued_bytes):
                 waited = True
+                self._waiting += 1
+                self._cv.notify_all()  # the writer may have to write a shard early
                 self._cv.wait()  # backpressure: the writer frees room as it writes
+                self._waiting -= 1
             self.waits += waited
             if self._error is not None:
                 raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
             if self._closing:
                 raise SinkFailed("sink: closed")
-            self._queue.append((piece, size))
-            self._queued += size
-            self.peak_queued = max(self.peak_queued, self._queued)
+            self._queue.append(piece)
+            self._held += size
+            self.peak_held = max(self.peak_held, self._held)
             self._cv.notify_all()
 
     def flush(self) -> None:
@@ -112,7 +119,7 @@ class SinkWriter:
         wait here): the family asks when its last sink request has left."""
         with self._cv:
             if self._error is None and not self._closing:
-                self._queue.append((None, 0))
+                self._queue.append(None)
                 self._cv.notify_all()
 
     def sync(self, timeout: float = 600.0) -> dict:
@@ -121,7 +128,7 @@ class SinkWriter:
         harvest reads its requests' rows once they are all written)."""
         with self._cv:
             if self._error is None and not self._closing:
-                self._queue.append((None, 0))
+                self._queue.append(None)
                 self._cv.notify_all()
             if not self._cv.wait_for(lambda: self._error is not None or
                                      (not self._queue and not self._busy), timeout):
@@ -145,19 +152,23 @@ class SinkWriter:
         try:
             while True:
                 with self._cv:
-                    while not self._queue and not self._closing:
+                    while not self._queue and not self._closing and not (
+                            self._waiting and self._open):
                         self._cv.wait()
-                    if not self._queue:
-                        break
-                    piece, size = self._queue.popleft()
+                    if not self._queue and not (self._waiting and self._open):
+                        break  # closing, everything taken
+                    early = not self._queue  # a put waits: free room now
+                    piece = None if early else self._queue.popleft()
                     self._busy = True
-                if piece is None:  # flush()
+                if early:
+                    self._flush(max(self._open, key=lambda s: sum(
+                        len(p[0]) for p in self._open[s])))
+                elif piece is None:  # flush()
                     for site in list(self._open):
                         self._flush(site)
                 else:
                     self._take(piece)
                 with self._cv:
-                    self._queued -= size
                     self._busy = False
                     self._cv.notify_all()
             for site in list(self._open):
@@ -201,6 +212,10 @@ class SinkWriter:
                            "position": [torch.from_numpy(position)],
                            "token_id": [torch.from_numpy(token)]})
         os.replace(tmp, folder / name)
+        written = 24 * len(position) + sum(c.numel() * c.element_size() for c in chunks)
+        with self._cv:  # 3 int64 labels a row and the values: what put counted
+            self._held -= written
+            self._cv.notify_all()
         self._count[site] = k + 1
         self._shards.append({"site": site, "file": f"{site}/{name}", "rows": int(len(position)),
                              "bytes": (folder / name).stat().st_size})
