@@ -86,7 +86,7 @@ def harvest(llm, prompts: list, sites: list[str], out_dir: str | Path, positions
     index = sink_index(llm) if sink is not False else None
     if sink and index is None:
         raise ValueError("harvest: sink=True needs an engine with hook_config.sink_dir")
-    seen = None if index is None else len(index["shards"])  # sink shards read so far
+    seen = None if index is None else {s["file"] for s in index["shards"]}  # read before
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plan = HarvestPlan(str(llm.llm_engine.model_config.model), tuple(sites), positions, dtype,
@@ -129,7 +129,7 @@ def harvest(llm, prompts: list, sites: list[str], out_dir: str | Path, positions
 
 
 def _shard(llm, prompts: list, first: int, plan: HarvestPlan,
-           seen: int | None) -> tuple[dict, int, int | None]:
+           seen: set | None) -> tuple[dict, int, set | None]:
     """One shard's tensors, its tokens, and the sink shards read so far (None: no sink)."""
     from vllm import SamplingParams
 

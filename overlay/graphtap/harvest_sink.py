@@ -21,16 +21,17 @@ def sink_index(llm) -> dict | None:
     return found[0] if found else None
 
 
-def rows_from_sink(llm, outs: list, sites: tuple[str, ...], seen: int,
-                   first: int) -> tuple[list[dict[str, torch.Tensor]], list[np.ndarray], int]:
+def rows_from_sink(llm, outs: list, sites: tuple[str, ...], seen: set[str],
+                   first: int) -> tuple[list[dict[str, torch.Tensor]], list[np.ndarray], set]:
     """Per output (in order): {site: rows} and the positions, read from the sink shards
-    written after the first `seen` ones; returns them and the count seen now. A
+    not in `seen` (files read before); returns them and the files seen now. A
     position written twice (a preempted request's recomputation) keeps its last row, as
     the per-request path does."""
     index = sink_index(llm)
     if index is None:
         raise RuntimeError("harvest: the engine's sink disappeared")
-    root, shards = Path(index["root"]), index["shards"][seen:]
+    root = Path(index["root"])
+    shards = [s for s in index["shards"] if s["file"] not in seen]  # each site's in order
     from safetensors.torch import load_file
 
     # the engine core's request ids: vLLM appends "-" and 8 hex digits to each output's
@@ -67,4 +68,4 @@ def rows_from_sink(llm, outs: list, sites: tuple[str, ...], seen: int,
             per_out[i][site] = values[torch.from_numpy(order[lo:hi])]
     for s in shards:
         (root / s["file"]).unlink(missing_ok=True)
-    return per_out, positions, len(index["shards"])
+    return per_out, positions, seen | {s["file"] for s in shards}

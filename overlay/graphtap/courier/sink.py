@@ -13,7 +13,9 @@ bytes), rewritten after each. A position that ran twice (vLLM
 recomputes a preempted request) has two rows, the later one written later: `repeated`
 lists the requests that have such rows (keep the last row of a position, as the
 per-request path does). Shards are written under a temporary
-name and renamed: a reader never sees half a shard.
+name and renamed, by `writers` threads at once (one thread's copies into the page cache
+were the limit of a harvest of every layer on the H200 host): a reader never sees half
+a shard, and index.json lists each site's shards in order.
 
 Memory is bounded: `put` blocks while the rows the writer holds, queued or gathered
 into shards not yet written, would pass `max_queued_bytes` (backpressure: the engine
@@ -28,6 +30,7 @@ import json
 import os
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +49,10 @@ class SinkWriter:
     """Rows in (`put`, any thread), sharded files out (its own thread)."""
 
     def __init__(self, root: str | Path, shard_rows: int = 1 << 16,
-                 max_queued_bytes: int = 256 << 20):
-        if shard_rows < 1 or max_queued_bytes < 1:
-            raise ValueError("sink: shard_rows and max_queued_bytes must be at least 1")
+                 max_queued_bytes: int = 256 << 20, writers: int = 4):
+        if shard_rows < 1 or max_queued_bytes < 1 or writers < 1:
+            raise ValueError("sink: shard_rows, max_queued_bytes and writers must be at "
+                             "least 1")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.shard_rows, self.max_queued_bytes = shard_rows, max_queued_bytes
@@ -67,6 +71,9 @@ class SinkWriter:
         self._through: dict[str, dict[int, int]] = {}  # site -> request -> last position
         self._repeated: set[int] = set()  # requests with a position written twice
         self._busy = False  # the thread holds a piece it has taken off the queue
+        self._inflight = 0  # shards handed to the writers, not yet written
+        self._pool = ThreadPoolExecutor(writers, thread_name_prefix="graphtap-sink-write")
+        self._index_lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, name="graphtap-sink", daemon=True)
         self._thread.start()
 
@@ -130,8 +137,8 @@ class SinkWriter:
             if self._error is None and not self._closing:
                 self._queue.append(None)
                 self._cv.notify_all()
-            if not self._cv.wait_for(lambda: self._error is not None or
-                                     (not self._queue and not self._busy), timeout):
+            if not self._cv.wait_for(lambda: self._error is not None or (
+                    not self._queue and not self._busy and not self._inflight), timeout):
                 raise SinkFailed(f"sink: not written within {timeout} s")
             if self._error is not None:
                 raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
@@ -143,6 +150,7 @@ class SinkWriter:
             self._closing = True
             self._cv.notify_all()
         self._thread.join()
+        self._pool.shutdown(wait=True)
         if self._error is not None:
             raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
         return self._index()
@@ -152,10 +160,14 @@ class SinkWriter:
         try:
             while True:
                 with self._cv:
-                    while not self._queue and not self._closing and not (
-                            self._waiting and self._open):
+                    # a waiting put with nothing being written: write a shard early
+                    stuck = lambda: self._waiting and self._open and not self._inflight  # noqa: E731
+                    while not self._queue and not self._closing and not stuck() and \
+                            self._error is None:
                         self._cv.wait()
-                    if not self._queue and not (self._waiting and self._open):
+                    if self._error is not None:
+                        return
+                    if not self._queue and not stuck():
                         break  # closing, everything taken
                     early = not self._queue  # a put waits: free room now
                     piece = None if early else self._queue.popleft()
@@ -204,27 +216,45 @@ class SinkWriter:
             self._open[site] = [(request[rows:], position[rows:], token[rows:], rest)]
             request, position, token = request[:rows], position[:rows], token[:rows]
         k = self._count.get(site, 0)
-        folder = self.root / site
-        folder.mkdir(exist_ok=True)
-        name = f"shard-{k:05d}.safetensors"
-        tmp = folder / f".{name}.tmp"
-        write_pieces(tmp, {"values": chunks, "request": [torch.from_numpy(request)],
-                           "position": [torch.from_numpy(position)],
-                           "token_id": [torch.from_numpy(token)]})
-        os.replace(tmp, folder / name)
+        self._count[site] = k + 1
+        with self._cv:
+            self._inflight += 1
+        self._pool.submit(self._write, site, k, request, position, token, chunks)
+
+    def _write(self, site: str, k: int, request, position, token, chunks) -> None:
+        """One shard's file (a writer thread)."""
+        try:
+            folder = self.root / site
+            folder.mkdir(exist_ok=True)
+            name = f"shard-{k:05d}.safetensors"
+            tmp = folder / f".{name}.tmp"
+            write_pieces(tmp, {"values": chunks, "request": [torch.from_numpy(request)],
+                               "position": [torch.from_numpy(position)],
+                               "token_id": [torch.from_numpy(token)]})
+            os.replace(tmp, folder / name)
+            shard = {"site": site, "file": f"{site}/{name}", "rows": int(len(position)),
+                     "bytes": (folder / name).stat().st_size}
+            with self._index_lock:
+                self._shards.append(shard)
+                self._write_index()
+            error = None
+        except BaseException as e:  # noqa: BLE001 - reported to every later put
+            error = e
         written = 24 * len(position) + sum(c.numel() * c.element_size() for c in chunks)
+        del chunks  # a pinned step buffer goes back once its last view is written
         with self._cv:  # 3 int64 labels a row and the values: what put counted
             self._held -= written
+            self._inflight -= 1
+            if error is not None and self._error is None:
+                self._error = error
             self._cv.notify_all()
-        self._count[site] = k + 1
-        self._shards.append({"site": site, "file": f"{site}/{name}", "rows": int(len(position)),
-                             "bytes": (folder / name).stat().st_size})
-        self._write_index()
 
     def _index(self) -> dict:
         with self._cv:
             requests = sorted(self._requests, key=self._requests.get)
-        return {"graphtap_sink": 1, "requests": requests, "shards": list(self._shards),
+        with self._index_lock:  # each site's shards in order (writers finish in any)
+            shards = sorted(self._shards, key=lambda s: s["file"])
+        return {"graphtap_sink": 1, "requests": requests, "shards": shards,
                 "repeated": sorted(self._repeated)}
 
     def _write_index(self) -> None:
