@@ -177,3 +177,20 @@ def test_model_dtype_rows_keep_their_dtype_and_sync_waits_for_the_disk(tmp_path)
              values[:5])
     assert [s["rows"] for s in sink.sync()["shards"]] == [30, 5]
     sink.close()
+
+
+def test_the_index_is_rewritten_by_time_not_per_shard(tmp_path):
+    """index.json listed every shard and was rewritten after each: with thousands of
+    shards its rewrites cost more than the shards (quadratic). It is rewritten at most
+    every INDEX_EVERY_S while the writers are busy, and is current once they are idle
+    (sync, close)."""
+    sink = SinkWriter(tmp_path, shard_rows=4, max_queued_bytes=1 << 30)
+    values = np.zeros((4, 8), np.float32)
+    for i in range(400):
+        sink.put("blocks.0.hook_resid_post", np.zeros(4, np.int64), np.arange(4) + 4 * i,
+                 values)
+    index = sink.sync()
+    assert len(index["shards"]) == 400
+    assert json.loads((tmp_path / "index.json").read_text())["shards"] == index["shards"]
+    assert sink.index_writes < 200, sink.index_writes
+    sink.close()

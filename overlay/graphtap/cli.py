@@ -141,7 +141,8 @@ def _harvest(args) -> int:
     sink = Path(args.out) / ".sink"
     shutil.rmtree(sink, ignore_errors=True)
     llm = make_llm(args.model, eager=not args.compile, hook_manager="graphtap",
-                   hook_config={"sites": args.sites, "sink_dir": str(sink)})
+                   hook_config={"sites": args.sites, "sink_dir": str(sink),
+                                "sink_max_queued_bytes": int(args.sink_memory_gb * 2**30)})
     try:
         manifest = harvest(llm, prompts, args.sites, args.out, positions, args.dtype,
                            args.shard_prompts, args.max_tokens)
@@ -233,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt")
     hv.add_argument("--out", required=True, help="a directory (an existing harvest resumes)")
     hv.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
+    hv.add_argument("--sink-memory-gb", type=float, default=4.0,
+                    help="host memory the sink's rows may hold before the engine waits for "
+                         "the disk (the engine's 256 MiB default throttles a harvest of many "
+                         "layers to a fraction of the disk's speed)")
     args, rest = ap.parse_known_args(argv)
     if args.cmd != "serve" and rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")

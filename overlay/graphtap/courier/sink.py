@@ -9,7 +9,9 @@ Layout under `root`: per site a folder (`blocks.12.hook_resid_post/`) of shards
 (bfloat16 stays bfloat16), `request` (an index into the requests of `index.json`),
 `position` and `token_id` (the input token at that position, read from the step's
 input ids on the device); `index.json` lists the requests and every shard written (rows,
-bytes), rewritten after each. A position that ran twice (vLLM
+bytes): current whenever the writers are idle (and after sync/close), at most
+INDEX_EVERY_S stale while they write (rewriting it after every shard cost more than the
+shards once there were thousands). A position that ran twice (vLLM
 recomputes a preempted request) has two rows, the later one written later: `repeated`
 lists the requests that have such rows (keep the last row of a position, as the
 per-request path does). Shards are written under a temporary
@@ -29,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +42,7 @@ import torch
 from graphtap.courier.shardfile import write_pieces
 
 INDEX = "index.json"
+INDEX_EVERY_S = 0.5
 
 
 class SinkFailed(RuntimeError):
@@ -74,6 +78,8 @@ class SinkWriter:
         self._inflight = 0  # shards handed to the writers, not yet written
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="graphtap-sink-write")
         self._index_lock = threading.RLock()
+        self._index_at = 0.0  # when index.json was last written (time.monotonic)
+        self.index_writes = 0
         self._thread = threading.Thread(target=self._run, name="graphtap-sink", daemon=True)
         self._thread.start()
 
@@ -142,6 +148,8 @@ class SinkWriter:
                 raise SinkFailed(f"sink: not written within {timeout} s")
             if self._error is not None:
                 raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
+        with self._index_lock:
+            self._write_index()
         return self._index()
 
     def close(self) -> dict:
@@ -153,6 +161,8 @@ class SinkWriter:
         self._pool.shutdown(wait=True)
         if self._error is not None:
             raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
+        with self._index_lock:
+            self._write_index()
         return self._index()
 
     # ---------------------------------------------------------------- writer thread
@@ -236,7 +246,10 @@ class SinkWriter:
                      "bytes": (folder / name).stat().st_size}
             with self._index_lock:
                 self._shards.append(shard)
-                self._write_index()
+                with self._cv:
+                    last = self._inflight == 1 and not self._queue  # the writers go idle
+                if last or time.monotonic() - self._index_at >= INDEX_EVERY_S:
+                    self._write_index()
             error = None
         except BaseException as e:  # noqa: BLE001 - reported to every later put
             error = e
@@ -258,6 +271,8 @@ class SinkWriter:
                 "repeated": sorted(self._repeated)}
 
     def _write_index(self) -> None:
+        self._index_at = time.monotonic()
+        self.index_writes += 1
         tmp = self.root / f".{INDEX}.tmp"
         tmp.write_text(json.dumps(self._index(), indent=1))
         os.replace(tmp, self.root / INDEX)
