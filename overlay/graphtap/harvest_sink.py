@@ -56,9 +56,10 @@ def rows_from_sink(llm, outs: list, sites: tuple[str, ...], seen: set[str],
         keep = np.ones(len(order), bool)
         keep[:-1] = (request[1:] != request[:-1]) | (position[1:] != position[:-1])
         order, request, position = order[keep], request[keep], position[keep]
-        bounds = np.searchsorted(request, sorted(wanted), side="left")
-        ends = np.searchsorted(request, sorted(wanted), side="right")
-        for r, lo, hi in zip(sorted(wanted), bounds, ends):
+        mine = sorted(wanted)
+        bounds = np.searchsorted(request, mine, side="left")
+        ends = np.searchsorted(request, mine, side="right")
+        for r, lo, hi in zip(mine, bounds, ends):
             i = wanted[r]
             if positions[i] is None:
                 positions[i] = position[lo:hi]

@@ -139,18 +139,15 @@ class SinkWriter:
         """Write every partial shard and wait until everything put before is on disk;
         returns the index (the worker answers `graphtap_sink_sync` with it, so a
         harvest reads its requests' rows once they are all written)."""
+        self.flush()
         with self._cv:
-            if self._error is None and not self._closing:
-                self._queue.append(None)
-                self._cv.notify_all()
             if not self._cv.wait_for(lambda: self._error is not None or (
                     not self._queue and not self._busy and not self._inflight), timeout):
                 raise SinkFailed(f"sink: not written within {timeout} s")
             if self._error is not None:
                 raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
         with self._index_lock:
-            self._write_index()
-        return self._index()
+            return self._write_index()
 
     def close(self) -> dict:
         """Write what is queued and every partial shard; returns the index."""
@@ -162,22 +159,19 @@ class SinkWriter:
         if self._error is not None:
             raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
         with self._index_lock:
-            self._write_index()
-        return self._index()
+            return self._write_index()
 
     # ---------------------------------------------------------------- writer thread
     def _run(self) -> None:
         try:
             while True:
                 with self._cv:
-                    # a waiting put with nothing being written: write a shard early
-                    stuck = lambda: self._waiting and self._open and not self._inflight  # noqa: E731
-                    while not self._queue and not self._closing and not stuck() and \
-                            self._error is None:
+                    while not self._queue and not self._closing and not self._stuck() \
+                            and self._error is None:
                         self._cv.wait()
                     if self._error is not None:
                         return
-                    if not self._queue and not stuck():
+                    if not self._queue and not self._stuck():
                         break  # closing, everything taken
                     early = not self._queue  # a put waits: free room now
                     piece = None if early else self._queue.popleft()
@@ -199,6 +193,10 @@ class SinkWriter:
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+
+    def _stuck(self) -> bool:
+        """A put waits for room and nothing is being written: a shard must go early."""
+        return bool(self._waiting and self._open and not self._inflight)
 
     def _take(self, piece) -> None:
         site, request, position, token, chunks = piece
@@ -270,12 +268,15 @@ class SinkWriter:
         return {"graphtap_sink": 1, "requests": requests, "shards": shards,
                 "repeated": sorted(self._repeated)}
 
-    def _write_index(self) -> None:
+    def _write_index(self) -> dict:
+        """Rewrites index.json; returns the index written."""
         self._index_at = time.monotonic()
         self.index_writes += 1
+        index = self._index()
         tmp = self.root / f".{INDEX}.tmp"
-        tmp.write_text(json.dumps(self._index(), indent=1))
+        tmp.write_text(json.dumps(index, indent=1))
         os.replace(tmp, self.root / INDEX)
+        return index
 
 
 def _cut(chunks: list[torch.Tensor], rows: int) -> tuple[list, list]:
