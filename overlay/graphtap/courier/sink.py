@@ -184,6 +184,7 @@ class SinkWriter:
                         self._flush(site)
                 else:
                     self._take(piece)
+                piece = None  # the taken rows live in open shards now, or are written
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
@@ -227,10 +228,16 @@ class SinkWriter:
         self._count[site] = k + 1
         with self._cv:
             self._inflight += 1
-        self._pool.submit(self._write, site, k, request, position, token, chunks)
+        # the rows travel in a list the writer empties before it gives their bytes back:
+        # no reference (these locals, the pool's work item) outlives the accounting
+        job = [request, position, token, chunks]
+        del request, position, token, chunks, pending
+        self._pool.submit(self._write, site, k, job)
 
-    def _write(self, site: str, k: int, request, position, token, chunks) -> None:
+    def _write(self, site: str, k: int, job: list) -> None:
         """One shard's file (a writer thread)."""
+        request, position, token, chunks = job
+        job.clear()
         try:
             folder = self.root / site
             folder.mkdir(exist_ok=True)
@@ -252,7 +259,8 @@ class SinkWriter:
         except BaseException as e:  # noqa: BLE001 - reported to every later put
             error = e
         written = 24 * len(position) + sum(c.numel() * c.element_size() for c in chunks)
-        del chunks  # a pinned step buffer goes back once its last view is written
+        del request, position, token, chunks  # a pinned step buffer goes back once its
+        # last view is written
         with self._cv:  # 3 int64 labels a row and the values: what put counted
             self._held -= written
             self._inflight -= 1
