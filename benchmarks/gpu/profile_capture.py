@@ -33,14 +33,22 @@ STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
           "aten::nonzero", "cudaMallocHost", "cudaMalloc", "cudaFree")
 
 
-def engine(path: str, cfg: dict, cpu: bool):
+def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: float = 4.0):
+    """`sink`: the sink mode's layers (workloads.sink_layers), None: no sink mode;
+    `sink_gb`: its memory bound."""
     from vllm import LLM
+
+    from graphtap.runner_info import WORKER_EXTENSION
 
     # Every capture mode's sites, whichever modes run: the same configuration as a
     # bench_tpot.py launch of all modes, so the two share compiled artifacts.
     # log stats on: each output then carries its time to first token (RequestStateStats).
+    config = hook_config(cfg, ["mixed", "dump"] + (["sink"] if sink else []), sink or "hs")
+    if sink:
+        config["sink_max_queued_bytes"] = int(sink_gb * 2**30)
     kw = dict(model=path, seed=0, max_model_len=400, max_num_seqs=64, hook_manager="graphtap",
-              hook_config=hook_config(cfg, ["mixed", "dump"]), enable_prefix_caching=False,
+              hook_config=config, enable_prefix_caching=False,
+              worker_extension_cls=WORKER_EXTENSION,  # graphtap_sink_sync
               disable_log_stats=False)
     if cpu:
         kw.update(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
@@ -54,12 +62,26 @@ def engine(path: str, cfg: dict, cpu: bool):
     return LLM(**kw)
 
 
-def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
+def sink_written(llm, seen: set[str]) -> tuple[int, int]:
+    """(rows, bytes) the worker's sink wrote since the shards in `seen` (which it joins),
+    once it says everything put is written (graphtap_sink_sync); the files counted go
+    (a harvest of every layer fills the 64 GiB disk)."""
+    index = llm.collective_rpc("graphtap_sink_sync")[0]
+    new = [s for s in index["shards"] if s["file"] not in seen]
+    for shard in new:
+        (Path(index["root"]) / shard["file"]).unlink(missing_ok=True)
+        seen.add(shard["file"])
+    return sum(s["rows"] for s in new), sum(s["bytes"] for s in new)
+
+
+def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int, sink: str = "hs",
+          seen: set[str] | None = None) -> dict:
+    """`seen`: the sink shards counted by earlier bursts (sink mode)."""
     from vllm import SamplingParams
 
     rng = np.random.default_rng(1)
     vec = (rng.normal(size=cfg["hidden_size"]) * 0.1).astype(np.float32).tolist()
-    hooks = mode_hooks(mode, cfg, vec)
+    hooks = mode_hooks(mode, cfg, vec, in_len, sink)
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0,
                             **({"hooks": hooks} if hooks else {}))
     prompts = [{"prompt_token_ids": rng.integers(10, cfg["vocab_size"] - 10, in_len).tolist()}
@@ -71,13 +93,21 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int) -> dict:
     wall = time.perf_counter() - t0
     errors = [o.hooks.error for o in outs if o.hooks is not None and o.hooks.error]
     rows, nbytes, _ = (sum(c) for c in zip(*(count_rows(o.hooks) for o in outs)))
+    sink_out = {}
+    if mode == "sink":  # the rows went to the worker's sink: counted there once written
+        t = time.perf_counter()
+        rows, nbytes = sink_written(llm, seen)
+        settle = time.perf_counter() - t
+        sink_out = {"sink_settle_s": round(settle, 3),
+                    "sink_stats": llm.collective_rpc("graphtap_hook_stats")[0].get("sink"),
+                    "sink_GB_per_s_settled": round(nbytes / (wall + settle) / 1e9, 3)}
     ttft = [o.metrics.first_token_latency * 1000 for o in outs
             if getattr(o.metrics, "first_token_latency", None)]
     return {"mode": mode, "wall_s": wall, "errors": errors[:1], "rows": rows,
             "bytes": nbytes, "rows_per_s": rows / wall, "MB_per_s": nbytes / wall / 2**20,
             # in-process: no IPC between engine core and frontend in this figure
             "ttft_ms_median": float(np.median(ttft)) if ttft else None,
-            "gc_ms": round(pauses.ms, 2), "gc_full": pauses.full}
+            "gc_ms": round(pauses.ms, 2), "gc_full": pauses.full, **sink_out}
 
 
 # graphtap's Triton kernels (ops/*_triton.py); CUPTI reports them by function name, also
@@ -198,6 +228,10 @@ def main() -> int:
     ap.add_argument("--cprofile", action="store_true",
                     help="also one run per mode under cProfile: its top Python functions by "
                          "own time (host time outside torch ops: the engine's own Python)")
+    ap.add_argument("--sink-layers", choices=["hs", "all"], default="all",
+                    help="the sink mode's residual layers: dump's 3, or every layer")
+    ap.add_argument("--sink-queue-gb", type=float, default=4.0,
+                    help="the sink's memory bound (graphtap harvest's default: 4 GiB)")
     args = ap.parse_args()
     # the worker in this process (set here, not at import: tests import write_trace)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -207,18 +241,24 @@ def main() -> int:
         # so the hook slots) is there
         os.environ.setdefault("TRITON_INTERPRET", "1")
     path, cfg = model_dir(args.model)
-    llm = engine(path, cfg, args.cpu)
+    sink = args.sink_layers if "sink" in args.modes.split(",") else None
+    llm = engine(path, cfg, args.cpu, sink, args.sink_queue_gb)
     in_len, out_len = (16, 8) if args.cpu else (256, 128)
-    burst(llm, cfg, "idle", args.requests, in_len, out_len)  # warm-up
+    seen: set[str] = set()  # sink shards counted
+
+    def run(mode: str) -> dict:
+        return burst(llm, cfg, mode, args.requests, in_len, out_len, args.sink_layers, seen)
+
+    run("idle")  # warm-up
     result = {"model": args.model, "requests": args.requests, "in": in_len, "out": out_len,
               "modes": []}
     activities = [ProfilerActivity.CPU] + ([] if args.cpu else [ProfilerActivity.CUDA])
     out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
     out.mkdir(parents=True, exist_ok=True)
     for mode in args.modes.split(","):
-        r = burst(llm, cfg, mode, args.requests, in_len, out_len)
+        r = run(mode)
         with profile(activities=activities) as prof:
-            r2 = burst(llm, cfg, mode, args.requests, in_len, out_len)
+            r2 = run(mode)
         r["wall_profiled_s"] = r2["wall_s"]
         if args.trace == "all" or mode in args.trace.split(","):
             r["trace"] = write_trace(prof, out / f"trace-{args.model}-{mode}-{len(result['modes'])}")
@@ -243,8 +283,7 @@ def main() -> int:
         r["top_host_ops"] = [(e.key, e.count, round(e.self_cpu_time_total / 1000, 2))
                              for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]
         if args.cprofile:
-            r["python_top"] = python_top(lambda: burst(llm, cfg, mode, args.requests, in_len,
-                                                       out_len))
+            r["python_top"] = python_top(lambda: run(mode))
         result["modes"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("top_host_ops", "python_top")}),
               flush=True)

@@ -66,13 +66,18 @@ class SinkWriter:
         self._waiting = 0  # puts waiting for room
         self.peak_held = 0  # the most bytes ever held (tests hold it to the bound)
         self.waits = 0  # puts that waited for room (backpressure applied)
+        self.wait_s = 0.0  # the time they waited, in all
         self._cv = threading.Condition()
         self._closing = False
         self._error: BaseException | None = None
         self._open: dict[str, list] = {}  # site -> pending pieces of its next shard
+        self._open_rows: dict[str, int] = {}  # site -> rows in them
         self._count: dict[str, int] = {}  # site -> shards written
         self._shards: list[dict] = []
-        self._through: dict[str, dict[int, int]] = {}  # site -> request -> last position
+        # site -> per request index the last position written (-1: none yet); an array,
+        # checked a piece at a time (a dict looked up per request of every piece held
+        # the GIL the engine's thread needs)
+        self._through: dict[str, np.ndarray] = {}
         self._repeated: set[int] = set()  # requests with a position written twice
         self._busy = False  # the thread holds a piece it has taken off the queue
         self._inflight = 0  # shards handed to the writers, not yet written
@@ -109,7 +114,7 @@ class SinkWriter:
         size = sum(a.nbytes for a in piece[1:4]) + \
             sum(c.numel() * c.element_size() for c in piece[4])
         with self._cv:
-            waited = False
+            waited, t0 = False, time.monotonic()
             while (self._error is None and self._held
                    and self._held + size > self.max_queued_bytes):
                 waited = True
@@ -118,6 +123,7 @@ class SinkWriter:
                 self._cv.wait()  # backpressure: the writer frees room as it writes
                 self._waiting -= 1
             self.waits += waited
+            self.wait_s += (time.monotonic() - t0) if waited else 0.0
             if self._error is not None:
                 raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
             if self._closing:
@@ -161,6 +167,11 @@ class SinkWriter:
         with self._index_lock:
             return self._write_index()
 
+    def stats(self) -> dict:
+        """Backpressure so far (the engine's stats endpoint shows it per worker)."""
+        return {"waits_total": self.waits, "wait_s_total": round(self.wait_s, 3),
+                "peak_held_bytes": self.peak_held, "held_bytes": self._held}
+
     # ---------------------------------------------------------------- writer thread
     def _run(self) -> None:
         try:
@@ -177,8 +188,7 @@ class SinkWriter:
                     piece = None if early else self._queue.popleft()
                     self._busy = True
                 if early:
-                    self._flush(max(self._open, key=lambda s: sum(
-                        len(p[0]) for p in self._open[s])))
+                    self._flush(max(self._open_rows, key=self._open_rows.get))
                 elif piece is None:  # flush()
                     for site in list(self._open):
                         self._flush(site)
@@ -201,21 +211,36 @@ class SinkWriter:
 
     def _take(self, piece) -> None:
         site, request, position, token, chunks = piece
-        seen = self._through.setdefault(site, {})
-        for r in np.unique(request).tolist():  # the few requests of one step's piece
-            mine = position[request == r]
-            if r in seen and int(mine.min()) <= seen[r]:
-                self._repeated.add(r)
-            seen[r] = max(seen.get(r, -1), int(mine.max()))
-        pending = self._open.setdefault(site, [])
-        pending.append((request, position, token, chunks))
-        while sum(len(p[0]) for p in pending) >= self.shard_rows:
+        self._note_repeats(site, request, position)
+        self._open.setdefault(site, []).append((request, position, token, chunks))
+        self._open_rows[site] = self._open_rows.get(site, 0) + len(position)
+        while self._open_rows.get(site, 0) >= self.shard_rows:
             self._flush(site, self.shard_rows)
-            pending = self._open.get(site, [])
+
+    def _note_repeats(self, site: str, request: np.ndarray, position: np.ndarray) -> None:
+        """Requests with a position at or before one already written at the site go to
+        `repeated` (a recomputation after preemption)."""
+        seen = self._through.get(site)
+        top = int(request.max()) + 1
+        if seen is None or len(seen) < top:
+            grown = np.full(max(top, 2 * (0 if seen is None else len(seen))), -1, np.int64)
+            if seen is not None:
+                grown[:len(seen)] = seen
+            self._through[site] = seen = grown
+        order = np.argsort(request, kind="stable")  # a piece's requests come in runs
+        r, p = request[order], position[order]
+        starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+        ids = r[starts]
+        prev = seen[ids]
+        again = ids[(prev >= 0) & (np.minimum.reduceat(p, starts) <= prev)]
+        if len(again):
+            self._repeated.update(again.tolist())
+        seen[ids] = np.maximum(prev, np.maximum.reduceat(p, starts))
 
     def _flush(self, site: str, rows: int | None = None) -> None:
         """Write the site's first `rows` pending rows (all: None) as its next shard."""
         pending = self._open.pop(site, [])
+        self._open_rows.pop(site, None)
         if not pending:
             return
         request, position, token = (np.concatenate([p[i] for p in pending]) for i in range(3))
@@ -223,6 +248,7 @@ class SinkWriter:
         if rows is not None and rows < len(position):
             chunks, rest = _cut(chunks, rows)
             self._open[site] = [(request[rows:], position[rows:], token[rows:], rest)]
+            self._open_rows[site] = len(position) - rows
             request, position, token = request[:rows], position[:rows], token[:rows]
         k = self._count.get(site, 0)
         self._count[site] = k + 1

@@ -217,7 +217,8 @@ class EngineHooks(HookManager):
     def stats(self) -> dict:
         """Per family what it holds now; GET /v1/graphtap/stats shows it per worker."""
         return {**{family.name: family.stats() for family in self.families},
-                "guard": {"requests": len(self._guards)}}
+                "guard": {"requests": len(self._guards)},
+                **({"sink": self.sink.stats()} if self.sink is not None else {})}
 
     def collect(self, input_batch, dummy_run):
         if dummy_run:
