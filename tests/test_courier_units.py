@@ -92,9 +92,9 @@ def test_step_split_per_request_matches_a_row_by_row_reference(labels):
     names = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v"}
     formats = {}  # as the scheduler keeps them (chosen heads a tuple)
     for slot, dtype in ((0, torch.bfloat16), (1, torch.float32), (2, torch.bfloat16)):
-        formats[(slot, 0)] = RowFormat(dtype, width, None, 0)
-        formats[(slot, 1)] = RowFormat(dtype, 8, ((3, 1), (1, 2, 3), (0,))[slot], hd)  # gaps
-        formats[(slot, 2)] = RowFormat(dtype, 8, None, hd)
+        formats[slot] = {0: RowFormat(dtype, width, None, 0),
+                         1: RowFormat(dtype, 8, ((3, 1), (1, 2, 3), (0,))[slot], hd),  # gaps
+                         2: RowFormat(dtype, 8, None, hd)}
     assert grouped_in_order(np.array(labels), (0, 1, 2)) == (labels is GROUPED)
     rows = torch.randn(len(labels) + 3, width).to(torch.bfloat16)  # + unused rows
     snap = step(rows, torch.tensor(labels + [(9, 9, 9)] * 3), len(labels),
@@ -107,7 +107,7 @@ def test_step_split_per_request_matches_a_row_by_row_reference(labels):
             if not idx:
                 assert name not in out[req]
                 continue
-            dtype, w, heads, _ = formats[(slot, site)]
+            dtype, w, heads, _ = formats[slot][site]
             ref = rows[[i for _, i in idx], :w]
             if site:
                 ref = ref.reshape(len(idx), -1, hd)
@@ -127,10 +127,10 @@ def test_a_step_copies_home_only_the_columns_its_formats_read():
     from graphtap.courier import columns
 
     width, hd = 16, 2
-    fmts = {(0, 0): RowFormat(torch.float32, 8, (1, 0), hd),
-            (0, 1): RowFormat(torch.float32, 8, (0,), hd),
-            (1, 0): RowFormat(torch.float32, 8, (1,), hd)}
-    assert [columns(f) for f in fmts.values()] == [4, 2, 4]
+    fmts = {0: {0: RowFormat(torch.float32, 8, (1, 0), hd),
+                1: RowFormat(torch.float32, 8, (0,), hd)},
+            1: {0: RowFormat(torch.float32, 8, (1,), hd)}}
+    assert [columns(f) for fs in fmts.values() for f in fs.values()] == [4, 2, 4]
     assert columns(RowFormat(torch.float32, width, None, 0)) == width
     labels = [(0, 0, 0), (0, 0, 1), (1, 0, 3), (0, 1, 0), (0, 1, 1)]
     rows = torch.randn(len(labels), width)
@@ -168,7 +168,7 @@ def test_every_split_result_serialises_like_vllm_sends_it():
     for n in (1, 2, 5):
         labels = torch.tensor([(0, 0, p) for p in range(n)])
         snap = step(torch.randn(n, 8), labels, n, {0: "a"},
-                    {(0, 0): RowFormat(torch.float32, 8, None, 0)}, {0: "s"})
+                    {0: {0: RowFormat(torch.float32, 8, None, 0)}}, {0: "s"})
         out = snap.per_request()["a"]
         for t in out.values():
             assert len(tensor_data(t)) == t.numel() * t.element_size()

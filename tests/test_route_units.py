@@ -182,7 +182,7 @@ def test_an_overflow_fails_only_the_requests_that_do_not_fit(backend):
     step = CaptureStep(StepRows(t.buf[:3].clone(), t.labels[:3, :3].clone(), t.count.clone(),
                                 {0: "big", 2: "small", 3: "other"}, {}, {0: "s0", 1: "s1"},
                                 t.rows, OverflowKind.CAPTURE_ROWS))
-    step.formats = {(2, 1): _fmt(), (3, 0): _fmt()}
+    step.formats = {2: {1: _fmt()}, 3: {0: _fmt()}}
     out = step.per_request()
     assert Overflow.from_tensor(out["big"][OVERFLOW]).wanted == 30 and len(out["big"]) == 1
     assert out["small"]["s1@positions"].tolist() == [0, 1]

@@ -138,11 +138,12 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
         names[s] = f"blocks.{s}.attn.hook_{'kq'[s % 2 == 0]}" if load == "qk" else \
             f"blocks.{s}.hook_resid_post"
         for r in range(reqs):
-            formats[(r, s)] = RowFormat(torch.bfloat16, width, None, 0) if load == "dump" else \
+            formats.setdefault(r, {})[s] = RowFormat(torch.bfloat16, width, None, 0) \
+                if load == "dump" else \
                 RowFormat(torch.bfloat16, 1024 if k else width, (0, 1, 2, 3), 128)
             last = load == "qk" and not k
             labels += [(r, s, p) for p in range(rows_each) if not last or p == rows_each - 1]
-    n, cols = len(labels), max(map(columns, formats.values()))
+    n, cols = len(labels), max(columns(f) for fs in formats.values() for f in fs.values())
     labels = torch.tensor(labels)
     count = torch.cat([torch.tensor([n]), torch.bincount(labels[:, 0], minlength=reqs + 1)])
     return CaptureStep(StepRows(torch.randn(n, cols).to(torch.bfloat16), labels, count,
@@ -224,7 +225,7 @@ def test_probe_guard_step(benchmark, reqs):
         labels = torch.tensor([(i, 1, 300) for i in range(reqs)])
         count = torch.cat([torch.tensor([reqs]), torch.ones(reqs, dtype=torch.long)])
         part = CaptureStep(StepRows(torch.randn(reqs, 1), labels, count, dict(enumerate(ids)),
-                                    {(i, 1): RowFormat(torch.float32, 1, None, 0)
+                                    {i: {1: RowFormat(torch.float32, 1, None, 0)}
                                      for i in range(reqs)}, {1: name}, 1 << 12,
                                     OverflowKind.PROBE_ROWS))
         part.held = held

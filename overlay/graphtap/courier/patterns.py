@@ -34,7 +34,7 @@ class PatternStep(LabelledStep):
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {}
         for req, slot, site, labels, rows in self.groups(ORDER, SLOT, SITE):
-            fmt = self.formats[(slot, site)]
+            fmt = self.formats[slot][site]
             pos = labels[::fmt.heads, POSITION]
             width = int(pos.max()) + 1
             data = rows[:, :width].reshape(-1, fmt.heads, width)
@@ -76,7 +76,7 @@ class MassStep(LabelledStep):
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
         out: dict[str, dict[str, torch.Tensor]] = {}
         for req, slot, site, labels, rows in self.groups(ORDER, SLOT, SITE):
-            fmt = self.formats[(slot, site)]
+            fmt = self.formats[slot][site]
             name = self.site_names[site]
             data = rows[:, :fmt.spans].reshape(-1, fmt.heads, fmt.spans)
             out.setdefault(req, {})[name] = data.to(torch.float32, copy=True)

@@ -17,6 +17,10 @@ from graphtap.ops.tables import Label
 ORDER = (int(Label.SLOT), int(Label.SITE), int(Label.POSITION))
 SLOT, SITE, POSITION = ORDER
 HOST_LABELS = len(ORDER)  # label columns a capture step copies home
+# A sink tap's format ids (engine/families/capture.py SinkTap.format_of) beside the
+# formats': a (slot, site) whose rows come back with the request, and in one step the
+# rows of a sink request that lost rows (they are dropped: it gets the overflow error).
+NO_SINK, LOST = -1, -2
 
 
 class RowFormat(NamedTuple):
@@ -40,14 +44,15 @@ class CaptureStep(LabelledStep):
         # qk prefill step of 8 x 256 tokens cost 12 ms here, 67 MB moved for 8. And
         # per-group copies (or even per-group tensors from numpy) add up: a decode step
         # of 64 requests x 3 sites has 192 groups, and the H200 host was ~50 us per copy.
-        labels, perm = self.sorted_labels(ORDER)
+        keep = self._to_sink() if self.sink is not None else None
+        if keep is not None and not keep.any():
+            return {}  # every row went to the sink (a harvest's steps)
+        labels, perm = self.sorted_labels(ORDER, keep)
         groups = list(self.spans(labels, perm, SLOT, SITE))
-        if self.sink is not None:
-            groups = self._to_sink(labels, groups)
         by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
         for g, (_, slot, site, start, end, first, index) in enumerate(groups):
             if index is None:
-                by_block.setdefault((site, self.formats[(slot, site)]), []).append(
+                by_block.setdefault((site, self.formats[slot][site]), []).append(
                     (first, end - start, g))
         data: dict[int, torch.Tensor] = {}
         for key, members in by_block.items():
@@ -62,57 +67,62 @@ class CaptureStep(LabelledStep):
         out: dict[str, dict[str, torch.Tensor]] = {}
         for g, (req, slot, site, start, end, first, index) in enumerate(groups):
             rows = data[g] if index is None else \
-                self._cut(self.rows[torch.from_numpy(index)], self.formats[(slot, site)])
+                self._cut(self.rows[torch.from_numpy(index)], self.formats[slot][site])
             name = self.site_names[site]
             out.setdefault(req, {})[name] = rows
             out[req][positions_key(name)] = positions[g]
         return out
 
-    def _to_sink(self, labels: np.ndarray, groups: list) -> list:
-        """Sends the groups of sink entries to the sink; returns the others. A request
-        that lost rows this step gets the overflow error and sends none of them."""
-        tap, lost = self.sink, self.overflow()
-        kept, out = [], {}  # (site, format) -> [(request, positions, first row, rows)]
-        for group in groups:
-            req, slot, site, start, end, first, index = group
-            if (slot, site) not in tap.pairs:
-                kept.append(group)
-            elif req not in lost:
-                rows = (first, end - start) if index is None else torch.from_numpy(index)
-                out.setdefault((site, self.formats[(slot, site)]), []).append(
-                    (req, labels[start:end, POSITION], rows))
-        tokens = self.tokens.numpy()
-        for (site, fmt), parts in out.items():  # one put per site and format: few, large
-            values, tok = self._sink_rows(fmt, [r for *_, r in parts], tokens)
-            tap.put(self.site_names[site], [(r, len(p)) for r, p, _ in parts],
-                    np.concatenate([p for _, p, _ in parts]), values, tok)
+    def _to_sink(self) -> np.ndarray:
+        """Sends the rows of sink entries to the sink: per site and format one put of the
+        runs of the buffer that hold them (a site's rows are one run in the usual step,
+        the device writing them site-major), found with array operations over the
+        step's labels, never per request (a decode step of 64 requests x 32 sites has
+        2048 one-row groups). A request that lost rows this step gets the overflow
+        error and sends none of them. Returns which rows are left for the per-request
+        split."""
+        tap = self.sink
+        used = min(int(self.count[0]), self.rows.shape[0])
+        if not used:
+            tap.done()
+            return np.zeros(0, dtype=bool)
+        labels = self.labels[:used].numpy()
+        slot, site = labels[:, SLOT], labels[:, SITE]
+        fmt = tap.format_of[slot, site].astype(np.int64)
+        lost = self.overflow()
+        if lost:
+            lost_slots = [s for s, r in self.slot_to_req.items() if r in lost]
+            fmt[np.isin(slot, lost_slots) & (fmt >= 0)] = LOST
+        keys = np.where(fmt >= 0, site.astype(np.int64) * len(tap.formats) + fmt, fmt)
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        ends = np.r_[starts[1:], used]
+        runs: dict[int, list[tuple[int, int]]] = {}
+        for start, end, key in zip(starts.tolist(), ends.tolist(), keys[starts].tolist()):
+            if key >= 0:
+                runs.setdefault(key, []).append((start, end))
+        tokens = self.tokens.numpy() if runs else None
+        for key, spans in runs.items():  # few, large: one per site and format
+            site_id, f = divmod(key, len(tap.formats))
+            at = np.concatenate([np.arange(a, b) for a, b in spans]) if len(spans) > 1 \
+                else slice(*spans[0])
+            # copies of the labels (the writer may hold them long after this step)
+            tap.writer.put(self.site_names[site_id], tap.request_of[slot[at]],
+                           np.array(labels[at, POSITION], np.int64),
+                           [self._sink_values(a, b, tap.formats[f]) for a, b in spans],
+                           np.array(tokens[at], np.int64))
         tap.done()
-        return kept
+        return fmt == NO_SINK
 
-    def _sink_rows(self, fmt: RowFormat, parts: list, tokens: np.ndarray):
-        """One site's sink rows in its format, and their token ids. A request's rows of a
-        site are one run of the buffer (the usual case): in the buffer's dtype and
-        width they go to the writer as views of the pinned step buffer, written from
-        there (it returns to the allocator once written; the sink's byte bound counts
-        it); otherwise slice copies with the cast in the same pass (an index gather
-        then a cast moved every byte twice, and a harvest step is gigabytes)."""
+    def _sink_values(self, start: int, end: int, fmt: RowFormat) -> torch.Tensor:
+        """A run of sink rows in its format: in the buffer's dtype and width, a view of the
+        pinned step buffer, written from there (it returns to the allocator once written;
+        the sink's byte bound counts it); otherwise a copy with the cast and the chosen
+        heads in one pass."""
         dtype, width, heads, head_dim = fmt
-        if heads is not None or any(not isinstance(p, tuple) for p in parts):
-            at = torch.cat([torch.arange(p[0], p[0] + p[1]) if isinstance(p, tuple) else p
-                            for p in parts])
-            return self._cut(self.rows[at], fmt), tokens[at.numpy()]
-        tok = np.concatenate([tokens[first:first + n] for first, n in parts])
-        if dtype == self.rows.dtype and width == self.rows.shape[1]:
-            views = [self.rows[first:first + n] for first, n in parts]
-            return ([v.view(n, -1, head_dim) for v, (_, n) in zip(views, parts)]
-                    if head_dim else views), tok
-        total = sum(n for _, n in parts)
-        values = torch.empty((total, width), dtype=dtype)
-        at = 0
-        for first, n in parts:
-            values[at:at + n].copy_(self.rows[first:first + n, :width])
-            at += n
-        return (values if not head_dim else values.view(total, -1, head_dim)), tok
+        rows = self.rows[start:end]
+        if dtype == rows.dtype and width == rows.shape[1] and heads is None:
+            return rows.view(end - start, -1, head_dim) if head_dim else rows
+        return self._cut(rows, fmt)
 
     @staticmethod
     def _cut(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:

@@ -69,7 +69,7 @@ class StepRows:
     labels: torch.Tensor  # [bound, host label columns]
     count: torch.Tensor  # [1 + slots] rows the step wrote, then the units each slot wanted
     slot_to_req: dict[int, str]  # every request of the batch with entries in the family
-    formats: dict[tuple[int, int], tuple]  # (slot, site) -> the family's output format
+    formats: dict[int, dict[int, tuple]]  # slot -> site -> the family's output format
     site_names: dict[int, str]
     capacity: int  # the buffer's rows
     overflow_kind: OverflowKind
@@ -141,17 +141,22 @@ class LabelledStep:
                 lost[req] = {OVERFLOW: Overflow(kind, int(wanted[slot]), room).to_tensor()}
         return lost
 
-    def sorted_labels(self, order: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """The used rows' labels sorted by the columns `order` (most significant
-        first), and the permutation that sorts them (sorted i = buffer row perm[i]).
-        Groups (the first two columns) may come in any order: spans() needs each one
-        contiguous and sorted inside, which the device order usually already is."""
+    def sorted_labels(self, order: tuple[int, ...],
+                      keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The used rows' labels (those `keep` marks, or all) sorted by the columns
+        `order` (most significant first), and the buffer rows they are (sorted i =
+        buffer row perm[i]). Groups (the first two columns) may come in any order:
+        spans() needs each one contiguous and sorted inside, which the device order
+        usually already is."""
         used = min(int(self.count[0]), self.rows.shape[0])
         labels = self.labels[:used].numpy()
+        rows = np.arange(used) if keep is None else np.flatnonzero(keep)
+        if keep is not None:
+            labels = labels[rows]
         if grouped_in_order(labels, order):
-            return labels, np.arange(used)
+            return labels, rows
         perm = np.lexsort(tuple(labels[:, c] for c in reversed(order)))
-        return labels[perm], perm
+        return labels[perm], rows[perm]
 
     def spans(self, labels: np.ndarray, perm: np.ndarray, slot_col: int, site_col: int):
         """Per (slot, site) of a live request, over sorted_labels(): (request id, slot,

@@ -157,7 +157,9 @@ class RowFamily(FamilyBase):
             return None
         slot_to_req, bound, hi = self._step
         rows = self.t.buf[:bound, :self.columns(slot_to_req, hi)]
-        formats = {(s, site): f for s in slot_to_req for site, f in self._formats[s].items()}
+        # the family's own per-slot dicts (replaced, never changed, when a slot is
+        # refilled): one entry per request, not per request and site
+        formats = {s: self._formats[s] for s in slot_to_req}
         # Clones on the main stream: the next step reuses the buffer (async scheduling).
         return self.step_class(StepRows(
             rows.clone(), self.t.labels[:bound, :self.host_labels].clone(),

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from graphtap.courier import CaptureStep, OverflowKind, RowFormat, columns
-from graphtap.courier.rows import HOST_LABELS
+from graphtap.courier.rows import HOST_LABELS, NO_SINK
 from graphtap.engine.rows import RowFamily
 from graphtap.ops.tables import Label
 from graphtap.spec.entries import NormalisedSpec
@@ -24,7 +24,16 @@ class CaptureFamily(RowFamily):
         super().__init__(*args, **kwargs)
         self.widths = widths  # kind -> (row width, head_dim or 0)
         self.sink = sink  # courier.sink.SinkWriter of the engine (hook_config.sink_dir)
-        self._sunk: dict[int, frozenset[int]] = {}  # slot -> its sites' ids sent to the sink
+        # Which rows go to the sink, as arrays the courier indexes with a step's labels
+        # (a decode step of 64 requests x 32 sites is 2048 one-row groups: looked at one
+        # by one they cost more than the step): per (slot, site) the sink format's id
+        # (NO_SINK: the rows come back with the request), per slot its request's index
+        # in the sink.
+        slots = self.slots.host.shape[0]
+        self._sink_format = np.full((slots, len(self.sites)), NO_SINK, np.int32)
+        self._sink_request = np.zeros(slots, np.int64)
+        self._sink_formats: dict[RowFormat, int] = {}
+        self._sunk: set[int] = set()  # slots of live requests with sink entries
         self._input_ids: torch.Tensor | None = None  # the routed step's, while it sinks
 
     def entries(self, spec: NormalisedSpec) -> tuple:
@@ -37,21 +46,44 @@ class CaptureFamily(RowFamily):
         width, head_dim = self.widths[entry.kind]
         return RowFormat(dtype, width, entry.heads, head_dim), 1  # one row per token
 
+    def columns(self, slots, hi: int) -> int:
+        # A row spans the widest configured site (Qwen2-1.5B: 1536 columns) where k rows
+        # of 2 chosen heads read 256: copying whole rows home moved 6x the bytes of a qk
+        # prefill step. Every request of the batch with entries counts, wanting rows now
+        # or not, as in the step's attribution (RowFamily.route).
+        return max((self._cols[s] for s in slots), default=0)
+
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
-        self._sunk.pop(slot, None)
+        self._forget_sink(slot)
         super().add_request(slot, req_id, prompt_len, spec)
         if spec.capture:
             self._cols[slot] = max(map(columns, self._formats[slot].values()))
-        sunk = frozenset(self.sites.id_of(e.layer, e.kind) for e in spec.capture if e.sink)
-        if sunk and self.sink is not None and req_id in self._slot_of:
-            self._sunk[slot] = sunk
+        if self.sink is None or req_id not in self._slot_of:
+            return
+        for e in spec.capture:
+            if e.sink:
+                site = self.sites.id_of(e.layer, e.kind)
+                fmt = self._formats[slot][site]
+                self._sink_format[slot, site] = self._sink_formats.setdefault(
+                    fmt, len(self._sink_formats))
+                self._sunk.add(slot)
+        if slot in self._sunk:
+            self._sink_request[slot] = self.sink.request_index(req_id)
 
     def remove_request(self, req_id: str) -> None:
         slot = self._slot_of.get(req_id)
         super().remove_request(req_id)
-        if slot is not None and self._sunk.pop(slot, None) is not None and not self._sunk:
+        if slot is not None and self._forget_sink(slot) and not self._sunk:
             self.sink.flush()  # the last sink request left: its partial shards go out
+
+    def _forget_sink(self, slot: int) -> bool:
+        """Whether the slot's request had sink entries (now cleared)."""
+        self._sink_format[slot] = NO_SINK
+        if slot not in self._sunk:
+            return False
+        self._sunk.discard(slot)
+        return True
 
     def route(self, input_batch, router, plan) -> None:
         super().route(input_batch, router, plan)
@@ -63,41 +95,33 @@ class CaptureFamily(RowFamily):
 
     def snapshot(self):
         step = super().snapshot()
-        if step is not None and self._sunk:
-            pairs = {(s, site) for s in step.slot_to_req for site in self._sunk.get(s, ())}
-            if pairs:
-                step.sink = SinkTap(self.sink, pairs, self._sunk)
-                # each row's input token id, gathered on the device by its TOKEN label
-                # (copied home with the rows): decode tokens exist nowhere else here
-                ids, n = self._input_ids, len(step.rows)
-                tok = self.t.labels[:n, Label.TOKEN].clamp(0, len(ids) - 1)
-                step.tokens = ids[tok].to(torch.int64)
+        if step is not None and not self._sunk.isdisjoint(step.slot_to_req):
+            # copies: the tables change with the next step's requests before the courier
+            # reads this step's rows
+            step.sink = SinkTap(self.sink, self._sink_format.copy(),
+                                self._sink_request.copy(),
+                                tuple(sorted(self._sink_formats, key=self._sink_formats.get)),
+                                self._sunk)
+            # each row's input token id, gathered on the device by its TOKEN label
+            # (copied home with the rows): decode tokens exist nowhere else here
+            ids, n = self._input_ids, len(step.rows)
+            tok = self.t.labels[:n, Label.TOKEN].clamp(0, len(ids) - 1)
+            step.tokens = ids[tok].to(torch.int64)
         return step
 
 
 class SinkTap:
-    """What a capture step sends to the sink: the (slot, site) pairs whose rows go there
-    instead of into their request's output."""
+    """What a capture step sends to the sink: per (slot, site) the sink format's id in
+    `formats` (NO_SINK: the rows go back with their request instead), per slot the
+    request's index in the sink."""
 
-    def __init__(self, writer, pairs: set[tuple[int, int]], live: dict):
-        self.writer, self.pairs, self._live = writer, pairs, live
-
-    def put(self, site: str, runs: list[tuple[str, int]], positions: np.ndarray,
-            rows: torch.Tensor, tokens: np.ndarray) -> None:
-        """`runs`: (request id, rows) in the order of `positions`, `rows` and `tokens`."""
-        index = self.writer.request_index
-        request = np.repeat([index(r) for r, _ in runs], [n for _, n in runs])
-        self.writer.put(site, request, positions, rows, tokens)  # it takes int64 of them
+    def __init__(self, writer, format_of: np.ndarray, request_of: np.ndarray,
+                 formats: tuple[RowFormat, ...], live: set):
+        self.writer, self.format_of, self.request_of = writer, format_of, request_of
+        self.formats, self._live = formats, live
 
     def done(self) -> None:
         """After the step's puts: with no sink request left (the last finished before
         its rows came home) the partial shards go out now."""
         if not self._live:
             self.writer.flush()
-
-    def columns(self, slots, hi: int) -> int:
-        # A row spans the widest configured site (Qwen2-1.5B: 1536 columns) where k rows
-        # of 2 chosen heads read 256: copying whole rows home moved 6x the bytes of a qk
-        # prefill step. Every request of the batch with entries counts, wanting rows now
-        # or not, as in the step's attribution (RowFamily.route).
-        return max((self._cols[s] for s in slots), default=0)

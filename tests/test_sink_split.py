@@ -1,0 +1,120 @@
+"""The courier's half of the bulk sink (CaptureStep._to_sink), without an engine: a
+step's sink rows leave in one put per site and format, found from the labels with array
+operations (a decode step of 64 requests x 32 sites is 2048 one-row groups, and handing
+them over one by one cost 47 ms a step on the H200 host, profile_capture sink mode);
+the rows, labels and token ids equal the buffer's; rows in the buffer's format go as
+views of the step copy; other requests of the step still come back per request; a
+request that lost rows sends none."""
+import numpy as np
+import torch
+
+from graphtap.courier import CaptureStep, RowFormat, StepRows
+from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
+from graphtap.courier.rows import NO_SINK
+from graphtap.engine.families.capture import CaptureFamily, SinkTap
+from graphtap.engine.rows import RowFamily
+
+WIDTH = 8
+BF16 = RowFormat(torch.bfloat16, WIDTH, None, 0)
+F32 = RowFormat(torch.float32, WIDTH, None, 0)
+
+
+class Recorder:
+    """A sink writer that keeps what it is handed."""
+
+    def __init__(self):
+        self.puts, self.flushes = [], 0
+
+    def put(self, site, request, position, values, token):
+        self.puts.append((site, np.asarray(request), np.asarray(position), values,
+                          np.asarray(token)))
+
+    def flush(self):
+        self.flushes += 1
+
+
+def capture_step(labels, wanted, slot_to_req, formats, sink_of, request_of, live):
+    """A capture step as the capture family hands it over: bf16 rows, labels (slot,
+    site, position), per slot the units it wanted, a token id per row, and the tap."""
+    labels = torch.tensor(labels)
+    rows = torch.randn(len(labels), WIDTH).to(torch.bfloat16)
+    count = torch.tensor([len(labels), *wanted])
+    step = CaptureStep(StepRows(rows, labels, count, slot_to_req, formats,
+                                {0: "s0", 1: "s1", 2: "s2", 3: "s3"}, 1000,
+                                OverflowKind.CAPTURE_ROWS))
+    writer = Recorder()
+    fmts = (BF16, F32)
+    format_of = np.full((max(slot_to_req) + 2, 4), NO_SINK, np.int32)
+    for (slot, site), fmt in sink_of.items():
+        format_of[slot, site] = fmts.index(fmt)
+    step.sink = SinkTap(writer, format_of, np.asarray(request_of, np.int64), fmts, live)
+    step.tokens = torch.arange(len(labels), dtype=torch.int64) + 1000
+    return step, writer
+
+
+def test_sink_rows_leave_per_site_and_format_beside_per_request_rows():
+    # slots: a (0) sinks s0 in bf16 and s1 in float32, returns s2; b (1) sinks s0 and
+    # returns s1; c (2) sinks s0 but lost a row (wanted 2, 1 labelled); d (3) no sink.
+    # s0's rows come in batch order a, d, b, c: two runs of sink rows.
+    labels = ([(0, 0, p) for p in (5, 6, 7)] + [(3, 0, 9), (1, 0, 4), (2, 0, 2)] +
+              [(0, 1, p) for p in (5, 6, 7)] + [(1, 1, 4)] + [(0, 2, p) for p in (5, 6, 7)])
+    formats = {0: {0: BF16, 1: F32, 2: BF16}, 1: {0: BF16, 1: F32}, 2: {0: BF16},
+               3: {0: BF16}}
+    sink_of = {(0, 0): BF16, (0, 1): F32, (1, 0): BF16, (2, 0): BF16}
+    live = {0, 1, 2}
+    step, writer = capture_step(labels, [9, 2, 2, 1], {0: "a", 1: "b", 2: "c", 3: "d"},
+                                formats, sink_of, [70, 71, 72, 0], live)
+    out = step.per_request()
+    assert [p[0] for p in writer.puts] == ["s0", "s1"]  # one put per site and format
+    site, request, position, values, token = writer.puts[0]
+    assert request.tolist() == [70, 70, 70, 71] and position.tolist() == [5, 6, 7, 4]
+    assert token.tolist() == [1000, 1001, 1002, 1004]
+    assert len(values) == 2  # the two runs, views of the step copy
+    for v in values:
+        assert v.untyped_storage().data_ptr() == step.rows.untyped_storage().data_ptr()
+    assert torch.equal(torch.cat(values), step.rows[[0, 1, 2, 4]])
+    site, request, position, values, token = writer.puts[1]
+    assert request.tolist() == [70] * 3 and position.tolist() == [5, 6, 7]
+    assert torch.equal(torch.cat(values), step.rows[6:9].float())  # cast on the way
+    assert token.tolist() == [1006, 1007, 1008]
+    # per request: what is not sunk, and c's overflow instead of anything
+    assert set(out) == {"a", "b", "c", "d"}
+    assert set(out["a"]) == {"s2", "s2@positions"}
+    assert torch.equal(out["a"]["s2"], step.rows[10:13])
+    assert torch.equal(out["b"]["s1"], step.rows[9:10].float())
+    assert out["d"]["s0@positions"].tolist() == [9]
+    assert set(out["c"]) == {OVERFLOW} and Overflow.from_tensor(out["c"][OVERFLOW]).wanted == 2
+    assert writer.flushes == 0
+    live.clear()  # the last sink request left before its rows came home: shards go out
+    step, writer = capture_step([(0, 0, 1)], [1], {0: "a"}, {0: {0: BF16}},
+                                {(0, 0): BF16}, [70], live)
+    assert step.per_request() == {} and writer.flushes == 1
+
+
+def test_a_decode_step_of_many_requests_is_one_piece_per_site():
+    """64 requests x 4 sites, one row each, site-major as the device writes them: 4 puts,
+    each one view of the step copy (the writer used to get 64 one-row pieces a site and
+    write each with a call of its own)."""
+    n, sites = 64, 4
+    labels = [(r, s, 100 + r) for s in range(sites) for r in range(n)]
+    formats = {r: {s: BF16 for s in range(sites)} for r in range(n)}
+    sink_of = {(r, s): BF16 for r in range(n) for s in range(sites)}
+    step, writer = capture_step(labels, [sites] * n, {r: f"r{r}" for r in range(n)},
+                                formats, sink_of, np.arange(n) + 7, set(range(n)))
+    assert step.per_request() == {}
+    assert [p[0] for p in writer.puts] == ["s0", "s1", "s2", "s3"]
+    for s, (_, request, position, values, _) in enumerate(writer.puts):
+        assert len(values) == 1 and torch.equal(values[0], step.rows[s * n:(s + 1) * n])
+        assert request.tolist() == list(range(7, 7 + n))
+        assert position.tolist() == list(range(100, 100 + n))
+
+
+def test_the_capture_family_narrows_the_columns_a_step_copies():
+    """CaptureFamily.columns (the widest format of the step's requests) had slipped into
+    SinkTap's body when the sink was wired in, so every capture step cloned and copied
+    home whole rows again (a qk prefill step: 6x the bytes)."""
+    assert CaptureFamily.columns is not RowFamily.columns
+    family = object.__new__(CaptureFamily)
+    family._cols = {0: 256, 1: 512, 2: 1536}
+    assert family.columns([0, 1], hi=10) == 512
+    assert family.columns([], hi=10) == 0
