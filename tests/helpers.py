@@ -54,6 +54,17 @@ def assert_captures_equal_hf(llm, path, ids, sites: list[str], steer: dict) -> N
         assert (out.hooks[s] - want[s]).abs().max().item() <= 1e-4, s
 
 
+def assert_head_captures_equal_hf(out, want: dict, positions, caps: list[dict]) -> None:
+    """Each q/k/v/z capture of `caps` (in that order) came back at HF's positions, its
+    chosen heads in ascending order, within 1e-4 of HF's (hf_capture_attention)."""
+    for k, cap in zip("qkvz", caps):
+        site = cap["site"]
+        ref = want[k][:, sorted(cap["heads"])] if cap.get("heads") else want[k]
+        assert out.hooks.positions[site].tolist() == positions.tolist(), site
+        assert out.hooks[site].shape == ref.shape, (site, out.hooks[site].shape, ref.shape)
+        assert (out.hooks[site] - ref).abs().max().item() <= 1e-4, site
+
+
 def sizes(**overrides):
     """Table sizes for engine-less unit tests (graphtap.engine.tables.Sizes)."""
     from graphtap.engine.tables import Sizes

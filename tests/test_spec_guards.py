@@ -155,10 +155,12 @@ def test_frontend_namespaces_a_plain_request_s_salt():
     assert fe.process_request("p", _Params(None), None, 5) is None
 
 
-def _vllm_config(arch="LlamaForCausalLM", pp=1, tp=1, spec=None):
+def _vllm_config(arch="LlamaForCausalLM", pp=1, tp=1, spec=None, heads=4, kv=2):
     from types import SimpleNamespace as NS
 
-    return NS(model_config=NS(architectures=[arch], hf_text_config=NS(num_hidden_layers=4)),
+    return NS(model_config=NS(architectures=[arch], hf_text_config=NS(num_hidden_layers=4),
+                              model_arch_config=NS(total_num_attention_heads=heads),
+                              get_total_num_kv_heads=lambda: kv),
               parallel_config=NS(pipeline_parallel_size=pp, tensor_parallel_size=tp),
               speculative_config=spec)
 
@@ -167,7 +169,8 @@ def _vllm_config(arch="LlamaForCausalLM", pp=1, tp=1, spec=None):
     (dict(arch="GPT2LMHeadModel"), "GPT2LMHeadModel has no hook slots"),
     (dict(pp=2), "pipeline_parallel_size > 1"),
     (dict(spec=object()), "speculative decoding"),
-    (dict(tp=2), "tensor_parallel_size=1"),
+    (dict(tp=4, kv=3), "3 KV heads do not split over tensor_parallel_size=4"),
+    (dict(tp=3), "4 query heads and 2 KV heads do not split"),
 ])
 def test_engines_graphtap_cannot_honour_do_not_start(kw, words):
     """Item 3: any combination that would run requests unhooked, or return rows of
@@ -179,4 +182,6 @@ def test_engines_graphtap_cannot_honour_do_not_start(kw, words):
     with pytest.raises(ValueError, match=words):
         refuse_unsupported(_vllm_config(**kw), config)
     refuse_unsupported(_vllm_config(), config)  # a plain Llama engine starts
-    refuse_unsupported(_vllm_config(tp=2), load_hook_config({}))  # residual sites: any TP
+    refuse_unsupported(_vllm_config(tp=2), config)  # heads split over ranks (engine/heads)
+    refuse_unsupported(_vllm_config(tp=4), config)  # KV heads replicated on 2 ranks each
+    refuse_unsupported(_vllm_config(tp=3), load_hook_config({}))  # residual sites: any TP

@@ -7,7 +7,8 @@ import torch
 
 from graphtap.testing.engines import _hf_model, tokenize
 from graphtap.testing.hf_reference import hf_generate
-from helpers import MAX_TOKENS, assert_captures_equal_hf, assert_parity, run, vector
+from helpers import (MAX_TOKENS, assert_captures_equal_hf, assert_head_captures_equal_hf,
+                     assert_parity, run, vector)
 
 OPS = [dict(op="add", scale=6.0), dict(op="set_projection", target=4.0), dict(op="ablate"),
        dict(op="clamp", min=-0.25, max=0.25)]
@@ -103,12 +104,7 @@ def test_attention_capture_parity_with_hf(steer_engine):
                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                       hooks={"capture": caps}), use_tqdm=False)[0]
     want, positions = hf_capture_attention(_hf_model(str(path)), ids, MAX_TOKENS, ATTN_LAYER)
-    for k, cap in zip("qkvz", caps):
-        site = cap["site"]
-        ref = want[k][:, sorted(cap["heads"])] if cap.get("heads") else want[k]
-        assert out.hooks.positions[site].tolist() == positions.tolist(), site
-        assert out.hooks[site].shape == ref.shape, (site, out.hooks[site].shape, ref.shape)
-        assert (out.hooks[site] - ref).abs().max().item() <= 1e-4, site
+    assert_head_captures_equal_hf(out, want, positions, caps)
     # Alone in its steps, a request reading k head 1 and v head 0 has only the first two
     # heads' columns of each row cloned and copied home (CaptureFamily.columns).
     narrow = [{"site": f"blocks.{ATTN_LAYER}.attn.hook_{k}", "dtype": "float32",

@@ -18,7 +18,7 @@ from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)
 from graphtap.spec.limits import check_response_size
-from graphtap.support import refuse_unsupported
+from graphtap.support import model_heads, refuse_unsupported
 from graphtap.wire import encode
 
 
@@ -41,8 +41,8 @@ def model_shape(vllm_config, config: HookConfig) -> ModelShape:
         configured_sites={s.name for s in config.site_table(num_layers).sites},
         max_steers=config.max_steers, max_vectors=config.max_vectors,
         max_captures=config.max_captures,
-        num_heads=mc.get_num_attention_heads(vllm_config.parallel_config),
-        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+        # every head of the model: requests name heads as at TP=1 (engine/heads.py)
+        num_heads=model_heads(mc)[0], num_kv_heads=model_heads(mc)[1],
         head_dim=mc.get_head_size(), dtype=str(mc.dtype).removeprefix("torch."),
         save_root=config.save_root, sink=config.sink_dir is not None,
         max_response_rows=config.max_response_rows,

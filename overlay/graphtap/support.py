@@ -7,6 +7,13 @@ from __future__ import annotations
 WITH_SLOTS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
+def model_heads(model_config) -> tuple[int, int]:
+    """(query heads, KV heads) of the whole model, whatever one rank holds: requests name
+    heads as at TP=1 (engine/heads.py)."""
+    return (model_config.model_arch_config.total_num_attention_heads,
+            model_config.get_total_num_kv_heads())
+
+
 def refuse_unsupported(vllm_config, config) -> None:
     """ValueError naming the setting graphtap cannot honour with a hook manager on
     (config: the engine's HookConfig)."""
@@ -26,8 +33,11 @@ def refuse_unsupported(vllm_config, config) -> None:
         # steered KV would be counted as the request's.
         raise ValueError("hook_manager: not supported with speculative decoding "
                          "(speculative_config)")
-    if attention_sites and pc.tensor_parallel_size > 1:
-        # Each rank holds a slice of the heads and only rank 0's output returns.
-        raise ValueError(f"hook_config.sites: attention sites ({attention_sites[0]}, ...) need "
-                         f"tensor_parallel_size=1; graphtap does not gather heads across "
-                         f"ranks yet (residual sites work with any TP size)")
+    tp = pc.tensor_parallel_size
+    if attention_sites and tp > 1:
+        # Each rank holds a slice of the heads; their rows are summed over the ranks
+        # (engine/heads.py), which needs the heads split as vLLM splits them.
+        heads, kv = model_heads(mc)
+        if heads % tp or (kv % tp and tp % kv):
+            raise ValueError(f"hook_config.sites: {attention_sites[0]}: {heads} query heads "
+                             f"and {kv} KV heads do not split over tensor_parallel_size={tp}")

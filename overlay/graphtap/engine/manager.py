@@ -25,33 +25,32 @@ from graphtap.engine.families.pattern import PatternFamily
 from graphtap.engine.families.probe import ProbeFamily
 from graphtap.engine.families.steer import SteerFamily
 from graphtap.engine.families.vectors import VectorBank
+from graphtap.engine.heads import head_split
 from graphtap.engine.router import TokenRouter
 from graphtap.engine.tables import Sizes, allocate
 from graphtap.ops.backend import select_backend
 from graphtap.profiling import named
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.sites import PATTERN, RESID_KINDS
-from graphtap.support import refuse_unsupported
+from graphtap.support import model_heads, refuse_unsupported
 
 logger = init_logger(__name__)
 
 
 def _sizes(vllm_config, config: HookConfig, sites, patterns: bool,
            capture_width: int) -> Sizes:
-    mc, sc, pc = vllm_config.model_config, vllm_config.scheduler_config, \
-        vllm_config.parallel_config
+    mc, sc = vllm_config.model_config, vllm_config.scheduler_config
     max_tokens = max(sc.max_num_batched_tokens,
                      vllm_config.compilation_config.max_cudagraph_capture_size or 0)
     return Sizes(max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_len=mc.max_model_len,
                  num_sites=len(sites), hidden=mc.get_hidden_size(),
-                 steer_width=max(mc.get_hidden_size(),
-                                 mc.get_num_attention_heads(pc) * mc.get_head_size()),
+                 steer_width=max(mc.get_hidden_size(), model_heads(mc)[0] * mc.get_head_size()),
                  dtype=mc.dtype,
                  max_steers=config.max_steers, max_vectors=config.max_vectors,
                  max_captures=config.max_captures,
                  capture_rows=config.capture_rows_for(sites, max_tokens),
                  capture_width=capture_width, pattern_rows=config.pattern_rows,
-                 num_heads=mc.get_num_attention_heads(pc), patterns=patterns,
+                 num_heads=model_heads(mc)[0], patterns=patterns,
                  max_probes=config.max_probes, probe_width=config.probe_width,
                  probe_rows=config.probe_rows,
                  probe_ring=config.probe_ring, max_spans=config.max_spans,
@@ -59,10 +58,11 @@ def _sizes(vllm_config, config: HookConfig, sites, patterns: bool,
 
 
 def _widths(vllm_config) -> dict[str, tuple[int, int]]:
-    """Row width and head_dim (0: no heads) of each capturable kind."""
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    """Row width and head_dim (0: no heads) of each capturable kind: every head's, as at
+    TP=1, whatever this rank holds (engine/heads.py)."""
+    mc = vllm_config.model_config
     d = mc.get_head_size()
-    q, kv = mc.get_num_attention_heads(pc) * d, mc.get_num_kv_heads(pc) * d
+    q, kv = (heads * d for heads in model_heads(mc))
     return {**{k: (mc.get_hidden_size(), 0) for k in RESID_KINDS},
             "attn_q": (q, d), "attn_z": (q, d), "attn_k": (kv, d), "attn_v": (kv, d)}
 
@@ -101,12 +101,14 @@ class EngineHooks(HookManager):
         tables = allocate(_sizes(vllm_config, self.config, self.sites, patterns,
                                  max(w for w, _ in widths.values())), backend, device)
         self.op_tables = tables.ops  # what the graph ops read (ops/running.py)
+        self.split = head_split(vllm_config)  # this rank's heads
+        self.op_tables.site_cols.update(self.split.site_columns(self.sites))
         self.slots = tables.slots
         # Heads are steered at z, whose slot has no positions: the router copies them.
         self.router = TokenRouter(tables.ops, positions=any(
             s.kind == "attn_z" for s in self.sites.sites))
         rows = dict(backend=backend, sites=self.sites, max_len=mc.max_model_len,
-                    model_dtype=mc.dtype)
+                    model_dtype=mc.dtype, split=self.split)
         bank = VectorBank(tables.ops.steer)  # resident vectors: steering and probe weights
         self.steer = SteerFamily(tables, self.sites, bank)
         self.sink = _sink(vllm_config, self.config)
@@ -139,7 +141,8 @@ class EngineHooks(HookManager):
         # alone. Steer first, then capture what flows on.
         x, other = (hidden_states, None) if residual is None else (residual, hidden_states)
         torch.ops.graphtap.steer_resid_(x, other, positions, site)
-        torch.ops.graphtap.capture_resid_(x, other, site)
+        if self.split.writes(kind):  # the stream is whole on every rank: one writes it
+            torch.ops.graphtap.capture_resid_(x, other, site)
         if self.probes:
             torch.ops.graphtap.probe_resid_(x, other, positions, site)
 
@@ -157,7 +160,7 @@ class EngineHooks(HookManager):
             return
         for name, tensor in zip(("attn_q", "attn_k", "attn_v"), tensors):
             site = self.sites.id_for_slot(layer, name)
-            if site is not None and tensor is not None:
+            if site is not None and tensor is not None and self.split.writes(name):
                 torch.ops.graphtap.capture_into_(sink, tensor, site)
 
     # ---------------------------------------------------------------- requests

@@ -13,6 +13,7 @@ import torch
 
 from graphtap.courier import LabelledStep, OverflowKind, StepRows
 from graphtap.engine.family import FamilyBase
+from graphtap.engine.heads import HeadSplit, sum_over_ranks
 from graphtap.engine.slots import SlotBlock
 from graphtap.engine.tables import EntryFields
 from graphtap.engine.wanted import Wants, WantTable, positions_end, rows_in_step
@@ -31,17 +32,20 @@ class RowFamily(FamilyBase):
     host_labels: int  # label columns the courier reads
 
     def __init__(self, tables: RowTables, fields: EntryFields, slots: SlotBlock,
-                 backend, sites: SiteTable, max_len: int, model_dtype: torch.dtype):
+                 backend, sites: SiteTable, max_len: int, model_dtype: torch.dtype,
+                 split: HeadSplit | None = None):
         self.t, self.fields, self.slots = tables, fields, slots
         self.backend, self.sites = backend, sites
         self.max_len, self.model_dtype = max_len, model_dtype
+        # tensor parallelism: this rank holds some heads (engine/heads.py); None: all
+        self.split = split if split is not None and split.split else None
         self.site_names = sites.names()
         self._formats: dict[int, dict[int, tuple]] = {}  # slot -> site -> output format
         self._cols: dict[int, int] = {}  # slot -> buffer columns its formats read
         self._slot_of: dict[str, int] = {}
         self._wanted: dict[str, Wants] = {}  # req_id -> positions its entries want
         self._table = WantTable(max_len)  # every live request's, vectorised over a batch
-        # (slot -> req_id, row bound, positions end) of the current step
+        # (slot -> req_id, row bound, positions end, rows summed over ranks) of the step
         self._step: tuple | None = None
         self._idle = True
         if backend.name != "torch":  # compile the routing kernels now, at start
@@ -72,6 +76,12 @@ class RowFamily(FamilyBase):
         """Buffer columns the step's rows can use (slots: the batch's requests with
         entries; hi: past the step's last position); None: all."""
         return None
+
+    def split_rows(self, slots) -> bool:
+        """Whether the step's rows hold heads of other ranks (tensor parallelism): its
+        rows are zeroed before the forward and summed over the ranks after. Patterns
+        and attention mass: rows per head, always."""
+        return True
 
     # ---------------------------------------------------------------- requests
     def add_request(self, slot: int, req_id: str, prompt_len: int,
@@ -140,7 +150,10 @@ class RowFamily(FamilyBase):
         # routes them all, so a wrong host window can cost a step's bound (reported as
         # a graphtap bug) but never drop a live request's rows silently.
         in_batch = {self._slot_of[r]: r for r in input_batch.req_ids if r in self._slot_of}
-        self._step = (in_batch, bound, positions_end(input_batch, self.max_len))
+        split = self.split is not None and self.split_rows(in_batch)
+        if split:  # each rank writes its heads' values only (engine/heads.py)
+            self.t.buf[:bound].zero_()
+        self._step = (in_batch, bound, positions_end(input_batch, self.max_len), split)
 
     def deactivate(self) -> None:
         if not self._idle:
@@ -155,13 +168,16 @@ class RowFamily(FamilyBase):
         clone, the copy home and its pinned buffer shrink with them."""
         if self._step is None:
             return None
-        slot_to_req, bound, hi = self._step
-        rows = self.t.buf[:bound, :self.columns(slot_to_req, hi)]
+        slot_to_req, bound, hi, split = self._step
+        rows = self.t.buf[:bound, :self.columns(slot_to_req, hi)] \
+            .clone(memory_format=torch.contiguous_format)
+        if split:  # the heads of every rank, each value written by one of them
+            rows = sum_over_ranks(rows)
         # the family's own per-slot dicts (replaced, never changed, when a slot is
         # refilled): one entry per request, not per request and site
         formats = {s: self._formats[s] for s in slot_to_req}
         # Clones on the main stream: the next step reuses the buffer (async scheduling).
         return self.step_class(StepRows(
-            rows.clone(), self.t.labels[:bound, :self.host_labels].clone(),
+            rows, self.t.labels[:bound, :self.host_labels].clone(),
             self.t.count.clone(), slot_to_req, formats, self.site_names, self.t.rows,
             self.overflow_kind))

@@ -31,7 +31,7 @@ class Sizes:
     capture_rows: int
     capture_width: int  # the widest configured capture site
     pattern_rows: int
-    num_heads: int  # query heads of this rank (pattern head selection)
+    num_heads: int  # query heads of the model (pattern head selection)
     patterns: bool  # whether a pattern site is configured
     max_probes: int = 0  # probe entries per request (0: no probe tables, no probe op)
     probe_width: int = 8

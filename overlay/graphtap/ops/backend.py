@@ -44,9 +44,9 @@ def _triton(torch_routing: bool) -> Backend:
     from graphtap.ops.route_triton import route_rows_triton, route_tokens_triton
     from graphtap.ops.steer_triton import steer_triton
 
-    def capture(t, x, other, site):
-        if not capture_triton(t, x, other, site):  # a layout the kernel cannot view
-            capture_reference(t, x, other, site)
+    def capture(t, x, other, site, col=0):
+        if not capture_triton(t, x, other, site, col):  # a layout the kernel cannot view
+            capture_reference(t, x, other, site, col)
 
     if torch_routing:
         return Backend("triton+torch-routing", steer_triton, capture, pattern_triton,

@@ -17,20 +17,22 @@ from graphtap.ops.tables import RowTables
 
 
 def capture_reference(t: RowTables, x: torch.Tensor, other: torch.Tensor | None,
-                      site: int) -> None:
+                      site: int, col: int = 0) -> None:
     """Rows of x (+ other), flattened per token ([tokens, heads, head_dim] included),
-    summed in float32 and stored in the buffer's dtype (as vLLM's fused add-norm does)."""
+    summed in float32 and stored in the buffer's dtype (as vLLM's fused add-norm does),
+    from column `col` (this rank's heads' place in the row under tensor parallelism)."""
     n = x.shape[0]
     stream = x.reshape(n, -1).float()
     if other is not None:
         stream = stream + other.reshape(n, -1).float()
-    t.buf.narrow(1, 0, stream.shape[1]).index_copy_(0, t.dst[site, :n], stream.to(t.buf.dtype))
+    t.buf.narrow(1, col, stream.shape[1]).index_copy_(0, t.dst[site, :n],
+                                                      stream.to(t.buf.dtype))
 
 
 @torch.library.custom_op("graphtap::capture_resid_", mutates_args=("x",))
 def capture_resid_(x: torch.Tensor, other: Optional[torch.Tensor], site: int) -> None:
     t = running_tables("capture_resid_")
-    t.backend.capture(t.capture, x, other, site)
+    t.backend.capture(t.capture, x, other, site, t.site_cols.get(site, 0))
 
 
 @capture_resid_.register_fake
@@ -43,7 +45,7 @@ def capture_into_(sink: torch.Tensor, x: torch.Tensor, site: int) -> None:
     """Capture x (q, k or v before attention); `sink` is the attention output buffer,
     declared mutated (and left alone) so that the op survives dead-code elimination."""
     t = running_tables("capture_into_")
-    t.backend.capture(t.capture, x, None, site)
+    t.backend.capture(t.capture, x, None, site, t.site_cols.get(site, 0))
 
 
 @capture_into_.register_fake

@@ -37,7 +37,7 @@ def rows_view(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def capture_triton(t: RowTables, x: torch.Tensor, other: torch.Tensor | None,
-                   site: int) -> bool:
+                   site: int, col: int = 0) -> bool:
     """Launch the kernel; False when the layout needs the torch path instead."""
     xv = rows_view(x)
     ov = rows_view(other) if other is not None else None
@@ -47,8 +47,9 @@ def capture_triton(t: RowTables, x: torch.Tensor, other: torch.Tensor | None,
     if n == 0:
         return True
     block = triton.next_power_of_2(w)
-    _capture_kernel[(n,)](xv, ov if ov is not None else xv, t.dst[site], t.buf, w,
-                          xv.stride(0), ov.stride(0) if ov is not None else 0, t.buf.stride(0),
+    buf = t.buf[:, col:]  # this rank's slice of the rows starts there (same row stride)
+    _capture_kernel[(n,)](xv, ov if ov is not None else xv, t.dst[site], buf, w,
+                          xv.stride(0), ov.stride(0) if ov is not None else 0, buf.stride(0),
                           t.rows, HAS_OTHER=ov is not None, BLOCK=block,
                           num_warps=4 if block <= 2048 else 8)
     return True

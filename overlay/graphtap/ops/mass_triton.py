@@ -15,16 +15,16 @@ from graphtap.ops.tables import LABELS, KeyCache, Label, MassTables
 @triton.jit
 def _mass_kernel(labels_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, site_ptr, spans_ptr, SITE, scale,
                  sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, s_bt, s_buf, s_slot, D, BS, GROUP,
-                 L: tl.constexpr, C_SITE: tl.constexpr, C_TOKEN: tl.constexpr,
+                 HEAD0, NH, L: tl.constexpr, C_SITE: tl.constexpr, C_TOKEN: tl.constexpr,
                  C_HEAD: tl.constexpr, C_BROW: tl.constexpr, C_POS: tl.constexpr,
                  C_SLOT: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     label = labels_ptr + row * L
     site = tl.load(label + C_SITE)
-    if site == SITE:
+    head = tl.load(label + C_HEAD) - HEAD0  # this rank's heads: 0..NH-1
+    if (site == SITE) & (head >= 0) & (head < NH):
         tok = tl.load(label + C_TOKEN)
-        head = tl.load(label + C_HEAD)
         brow = tl.load(label + C_BROW)
         slot = tl.load(label + C_SLOT)
         n_keys = tl.load(label + C_POS) + 1
@@ -59,7 +59,7 @@ def mass_triton(t: MassTables, q: torch.Tensor, kc: KeyCache, site: int) -> None
         t.labels, q, keys, bt, t.buf, t.entry_site, t.entry_spans, site, kc.scale,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         keys.stride(3), bt.stride(0), t.buf.stride(0), t.entry_site.stride(0), dim,
-        keys.shape[1], kc.group, L=LABELS, C_SITE=int(Label.SITE), C_TOKEN=int(Label.TOKEN),
+        keys.shape[1], kc.group, kc.head0, q.shape[1], L=LABELS, C_SITE=int(Label.SITE), C_TOKEN=int(Label.TOKEN),
         C_HEAD=int(Label.HEAD), C_BROW=int(Label.BATCH_ROW), C_POS=int(Label.POSITION),
         C_SLOT=int(Label.SLOT), C=t.entry_site.shape[1], S=t.entry_spans.shape[2],
         BLOCK_S=triton.next_power_of_2(t.entry_spans.shape[2]), BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, num_warps=4)

@@ -43,12 +43,16 @@ def pattern_reference(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int) ->
 
 def probabilities(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int):
     """(buffer rows, position p, their probabilities over keys 0..p) per group of this
-    site's routed rows at one position (the torch side of patterns and attention mass)."""
-    active = (t.labels[: t.rows, Label.SITE] == site).nonzero().squeeze(1)
+    site's routed rows at one position (the torch side of patterns and attention mass);
+    only rows of the heads q holds (kc.head0 on: tensor parallelism), at q's index."""
+    labels = t.labels[: t.rows]
+    local = labels[:, Label.HEAD] - kc.head0
+    active = ((labels[:, Label.SITE] == site) & (local >= 0) & (local < q.shape[1])) \
+        .nonzero().squeeze(1)
     if active.numel() == 0:
         return
     r = t.labels[active]
-    tok, head, brow, pos = (r[:, Label.TOKEN], r[:, Label.HEAD], r[:, Label.BATCH_ROW],
+    tok, head, brow, pos = (r[:, Label.TOKEN], local[active], r[:, Label.BATCH_ROW],
                             r[:, Label.POSITION])
     bs = kc.keys.shape[1]
     for p in torch.unique(pos).tolist():

@@ -43,15 +43,15 @@ def _softmax_stats(k_head, qv, bt_ptr, brow, s_bt, n_keys, sk_b, sk_n, sk_d, d, 
 @triton.jit
 def _pattern_kernel(labels_ptr, q_ptr, k_ptr, bt_ptr, buf_ptr, SITE, scale,
                     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, s_bt, s_buf, D, BS, GROUP,
-                    L: tl.constexpr, C_SITE: tl.constexpr, C_TOKEN: tl.constexpr,
+                    HEAD0, NH, L: tl.constexpr, C_SITE: tl.constexpr, C_TOKEN: tl.constexpr,
                     C_HEAD: tl.constexpr, C_BROW: tl.constexpr, C_POS: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     label = labels_ptr + row * L
     site = tl.load(label + C_SITE)
-    if site == SITE:
+    head = tl.load(label + C_HEAD) - HEAD0  # this rank's heads: 0..NH-1
+    if (site == SITE) & (head >= 0) & (head < NH):
         tok = tl.load(label + C_TOKEN)
-        head = tl.load(label + C_HEAD)
         brow = tl.load(label + C_BROW)
         n_keys = tl.load(label + C_POS) + 1
         d = tl.arange(0, BLOCK_D)
@@ -73,6 +73,6 @@ def pattern_triton(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int) -> No
         t.labels, q, keys, bt, t.buf, site, kc.scale,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         keys.stride(3), bt.stride(0), t.buf.stride(0), dim, keys.shape[1], kc.group,
-        L=LABELS, C_SITE=int(Label.SITE), C_TOKEN=int(Label.TOKEN), C_HEAD=int(Label.HEAD),
+        kc.head0, q.shape[1], L=LABELS, C_SITE=int(Label.SITE), C_TOKEN=int(Label.TOKEN), C_HEAD=int(Label.HEAD),
         C_BROW=int(Label.BATCH_ROW), C_POS=int(Label.POSITION),
         BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, num_warps=4)

@@ -16,12 +16,14 @@ from graphtap.ops.tables import COND_BELOW, COND_SIGMOID, COND_UNIT, SteerTables
 
 
 def steer_reference(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
-                    other: torch.Tensor | None, positions: torch.Tensor, site: int) -> None:
+                    other: torch.Tensor | None, positions: torch.Tensor, site: int,
+                    col: int = 0) -> None:
     """Torch implementation. The stream is x + other (x alone when other is None); the
     change is written into x. An inactive entry adds exactly zero and a row with no
     active entry is left bit for bit as it was, whatever the tables or the stream hold
     (stale inf/NaN rows, padding garbage): a product 0 * inf is NaN, so inactive values
-    are selected away (torch.where), never multiplied by zero."""
+    are selected away (torch.where), never multiplied by zero. `col`: where x's columns
+    start in the vectors (this rank's heads of a z row under tensor parallelism)."""
     n = x.shape[0]
     slot = tok_slot[:n]
     pos = positions[:n].long().clamp(0, t.max_len - 1)
@@ -32,7 +34,7 @@ def steer_reference(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
         active = (t.site[slot, e] == site) & position_bit(t.pos[slot, e], pos) & \
             gate_open(t, slot, e)
         vidx = t.vec[slot, e].long()
-        v = t.bank[vidx, :x.shape[1]].float()
+        v = t.bank[vidx, col:col + x.shape[1]].float()
         u = v * t.inv_norm[vidx].unsqueeze(1)
         coef = t.coef[slot, e]
         p = (stream * u).sum(-1)
@@ -88,7 +90,8 @@ def steer_heads_(z: torch.Tensor, site: int) -> None:
     positions: the router's copy of the step's (tok_pos) stands in."""
     t = running_tables("steer_heads_")
     n = z.shape[0]
-    t.backend.steer(t.steer, t.tok_slot, z.view(n, -1), None, t.tok_pos, site)
+    t.backend.steer(t.steer, t.tok_slot, z.view(n, -1), None, t.tok_pos, site,
+                    t.site_cols.get(site, 0))
 
 
 @steer_heads_.register_fake

@@ -87,14 +87,16 @@ def _steer_kernel(x_ptr, other_ptr, pos_ptr, slot_ptr, site_ptr, vec_ptr, coef_p
 
 
 def steer_triton(t: SteerTables, tok_slot: torch.Tensor, x: torch.Tensor,
-                 other: torch.Tensor | None, positions: torch.Tensor, site: int) -> None:
+                 other: torch.Tensor | None, positions: torch.Tensor, site: int,
+                 col: int = 0) -> None:
+    """`col`: where x's columns start in the vectors (steer_reference)."""
     n, h = x.shape
     if n == 0:
         return
     block = triton.next_power_of_2(h)
     _steer_kernel[(n,)](
         x, other if other is not None else x, positions, tok_slot, t.site, t.vec, t.coef,
-        t.pos, t.bank, t.inv_norm, t.cond_site, t.cond_vec, t.cond_mode, t.cond_coef,
+        t.pos, t.bank[:, col:], t.inv_norm, t.cond_site, t.cond_vec, t.cond_mode, t.cond_coef,
         t.cond_pos, t.gate, h, x.stride(0), other.stride(0) if other is not None else 0,
         t.bank.stride(0), t.site.stride(0), t.pos.shape[2], t.max_len, site,
         HAS_OTHER=other is not None, E=t.max_steers, BLOCK=block,

@@ -160,6 +160,8 @@ class KeyCache:
     block_table: torch.Tensor  # [max_reqs, max_blocks], rows in batch order, fixed address
     scale: float  # the attention's softmax scale
     group: int  # query heads per KV head (GQA)
+    head0: int = 0  # this rank's first query head (tensor parallelism: engine/heads.py);
+    # rows of heads it does not hold are left alone (another rank writes them)
 
 
 @dataclass
@@ -181,6 +183,9 @@ class OpTables:
     probe: ProbeTables | None = None
     mass: MassTables | None = None
     key_caches: dict[int, KeyCache] = field(default_factory=dict)  # site -> its keys
+    # site -> where this rank's slice of the site's rows starts in the TP=1 row (heads
+    # held by another rank come before it); absent: 0 (engine/heads.py)
+    site_cols: dict[int, int] = field(default_factory=dict)
     # Python bodies run per op: inside replayed CUDA graphs they never run (only their
     # kernels replay), which is how the GPU check proves the ops ran in graphs.
     python_calls: Counter = field(default_factory=Counter)

@@ -10,6 +10,7 @@ from graphtap.courier.rows import HOST_LABELS, NO_SINK
 from graphtap.engine.rows import RowFamily
 from graphtap.ops.tables import Label
 from graphtap.spec.entries import NormalisedSpec
+from graphtap.spec.sites import RESID_KINDS
 
 
 class CaptureFamily(RowFamily):
@@ -34,6 +35,7 @@ class CaptureFamily(RowFamily):
         self._sink_request = np.zeros(slots, np.int64)
         self._sink_formats: dict[RowFormat, int] = {}
         self._sunk: set[int] = set()  # slots of live requests with sink entries
+        self._heads: set[int] = set()  # slots of live requests capturing attention sites
         self._input_ids: torch.Tensor | None = None  # the routed step's, while it sinks
 
     def entries(self, spec: NormalisedSpec) -> tuple:
@@ -53,12 +55,18 @@ class CaptureFamily(RowFamily):
         # or not, as in the step's attribution (RowFamily.route).
         return max((self._cols[s] for s in slots), default=0)
 
+    def split_rows(self, slots) -> bool:
+        # residual rows are whole on every rank: only steps with heads are summed
+        return not self._heads.isdisjoint(slots)
+
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
-        self._forget_sink(slot)
+        self._clear_slot(slot)
         super().add_request(slot, req_id, prompt_len, spec)
         if spec.capture:
             self._cols[slot] = max(map(columns, self._formats[slot].values()))
+        if any(e.kind not in RESID_KINDS for e in spec.capture) and req_id in self._slot_of:
+            self._heads.add(slot)
         if self.sink is None or req_id not in self._slot_of:
             return
         for e in spec.capture:
@@ -74,11 +82,12 @@ class CaptureFamily(RowFamily):
     def remove_request(self, req_id: str) -> None:
         slot = self._slot_of.get(req_id)
         super().remove_request(req_id)
-        if slot is not None and self._forget_sink(slot) and not self._sunk:
+        if slot is not None and self._clear_slot(slot) and not self._sunk:
             self.sink.flush()  # the last sink request left: its partial shards go out
 
-    def _forget_sink(self, slot: int) -> bool:
-        """Whether the slot's request had sink entries (now cleared)."""
+    def _clear_slot(self, slot: int) -> bool:
+        """Clears the slot's marks (heads, sink formats); whether it had sink entries."""
+        self._heads.discard(slot)
         self._sink_format[slot] = NO_SINK
         if slot not in self._sunk:
             return False

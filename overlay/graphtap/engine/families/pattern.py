@@ -55,7 +55,9 @@ class PatternFamily(RowFamily):
                 raise ValueError(f"hook_config.sites: {self.site_names[site]} needs a plain "
                                  f"causal attention with an unquantised KV cache")
             keys = key_cache_view(layer.kv_cache, layer.backend, layer.head_size)
+            # layer.num_heads: this rank's (tensor parallelism), from head0 on
             caches[site] = KeyCache(keys, layer.block_table, layer.scale,
-                                    layer.num_heads // layer.num_kv_heads)
+                                    layer.num_heads // layer.num_kv_heads,
+                                    self.split.head0 if self.split is not None else 0)
         self.key_caches.clear()
         self.key_caches.update(caches)

@@ -60,6 +60,9 @@ class ProbeFamily(RowFamily):
     def describe(self, entry, dtype: torch.dtype) -> tuple[RowFormat, int]:
         return RowFormat(torch.float32, len(entry.vectors), None, 0), 1
 
+    def split_rows(self, slots) -> bool:
+        return False  # residual scores, whole on every rank
+
     def columns(self, slots, hi: int) -> int:
         return max((f.width for s in slots for f in self._formats[s].values()), default=0)
 
