@@ -108,9 +108,8 @@ class CaptureFamily(RowFamily):
             # copies: the tables change with the next step's requests before the courier
             # reads this step's rows
             step.sink = SinkTap(self.sink, self._sink_format.copy(),
-                                self._sink_request.copy(),
-                                tuple(sorted(self._sink_formats, key=self._sink_formats.get)),
-                                self._sunk)
+                                self._sink_request.copy(), tuple(self._sink_formats),
+                                self._sunk)  # a format's id is its place in the dict
             # each row's input token id, gathered on the device by its TOKEN label
             # (copied home with the rows): decode tokens exist nowhere else here
             ids, n = self._input_ids, len(step.rows)
