@@ -126,6 +126,33 @@ def test_bad_datasets_name_the_line(tmp_path):
     assert not np.any([p.name == "o" for p in tmp_path.iterdir()])
 
 
+def test_hugging_face_datasets_are_read_by_column_and_split(tmp_path):
+    """--dataset also takes a Hugging Face dataset (a save_to_disk folder here; a hub
+    NAME[:SPLIT] goes through the same datasets call): its prompt, text or
+    prompt_token_ids column, or the one --column names; errors name the source."""
+    import datasets
+
+    one = tmp_path / "one"
+    datasets.Dataset.from_dict({"id": [1, 2], "text": ["a", "b"]}).save_to_disk(str(one))
+    assert read_dataset(str(one)) == ["a", "b"]
+    both = tmp_path / "both"
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"prompt_token_ids": [[1, 2], [3]]}),
+        "test": datasets.Dataset.from_dict({"body": ["x", "y", "z"]})}).save_to_disk(str(both))
+    assert read_dataset(str(both)) == [[1, 2], [3]]
+    assert read_dataset(f"{both}:test", column="body") == ["x", "y", "z"]
+    for source, column, words in [(f"{both}:test", None, "no column prompt or text"),
+                                  (f"{both}:dev", None, "no split 'dev'"),
+                                  (str(one), "body", "no column body"),
+                                  (str(tmp_path / "absent"), None, "not a JSONL file")]:
+        with pytest.raises(ValueError, match=words):
+            read_dataset(source, column)
+    empty = tmp_path / "empty"
+    datasets.Dataset.from_dict({"text": ["a", ""]}).save_to_disk(str(empty))
+    with pytest.raises(ValueError, match=r"empty\[1\]: expected a non-empty"):
+        read_dataset(str(empty))
+
+
 def test_the_same_rows_make_the_same_bytes(tmp_path):
     """A shard's bytes depend on its rows only (the manifest's sha256 checks resumed
     shards against them): safetensors wrote several metadata keys in a varying order,

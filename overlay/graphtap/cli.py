@@ -6,7 +6,7 @@
     graphtap demo guard --heads 5:18 7:12 [--model M] [--threshold T] [--dtype D]
     graphtap vector build MODEL --site S --positive FILE --negative FILE --out F.safetensors
     graphtap rerank MODEL --query Q --documents FILE --layers L [L ...]
-    graphtap harvest MODEL --dataset FILE.jsonl --sites S [S ...] --out DIR
+    graphtap harvest MODEL --dataset FILE.jsonl|HF-DATASET --sites S [S ...] --out DIR
                      [--positions all] [--dtype float32|model] [--shard-prompts N]
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _harvest(args) -> int:
     from graphtap.testing.engines import make_llm, shutdown
 
     try:
-        prompts = read_dataset(args.dataset)
+        prompts = read_dataset(args.dataset, args.column)
         positions = json.loads(args.positions) if args.positions[:1] in "[{" else args.positions
     except ValueError as e:
         raise SystemExit(f"graphtap harvest: {e}") from None
@@ -225,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     hv = sub.add_parser("harvest", help="activations of a prompt set, as sharded safetensors")
     hv.add_argument("model")
     hv.add_argument("--dataset", required=True,
-                    help="JSONL: {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line")
+                    help="JSONL ({\"prompt\": ...}, {\"text\": ...} or {\"prompt_token_ids\": "
+                         "[...]} per line), or a Hugging Face dataset: a save_to_disk folder "
+                         "or NAME[:SPLIT] (needs the datasets package)")
+    hv.add_argument("--column", help="the dataset's prompt column (default: the first of "
+                                     "prompt, text, prompt_token_ids it has)")
     hv.add_argument("--sites", nargs="+", required=True, help="e.g. blocks.6.hook_resid_post")
     hv.add_argument("--positions", default="all",
                     help="all, prompt, last_prompt, generated, or a JSON list or span")

@@ -42,29 +42,75 @@ class HarvestPlan:
     prompts_sha256: str
 
 
-def read_dataset(path: str | Path) -> list[str | list[int]]:
-    """JSONL, one object per line with "prompt" or "text" (a string) or
-    "prompt_token_ids" (a list of ints); blank lines are skipped."""
+COLUMNS = ("prompt", "text", "prompt_token_ids")  # where a prompt is found, in this order
+
+
+def read_dataset(source: str | Path, column: str | None = None) -> list[str | list[int]]:
+    """The prompts of a JSONL file (one object per line with "prompt" or "text", a
+    string, or "prompt_token_ids", a list of ints; blank lines are skipped) or of a
+    Hugging Face dataset: a folder written by `Dataset.save_to_disk`, or a hub name
+    with an optional split (`NAME` or `NAME:SPLIT`, default train), read with the
+    `datasets` package. `column`: the dataset's column of prompts (default the first
+    of COLUMNS it has)."""
+    if Path(source).is_file():
+        return _read_jsonl(Path(source), column)
+    return _read_hf(str(source), column)
+
+
+def _read_jsonl(path: Path, column: str | None) -> list[str | list[int]]:
     out: list[str | list[int]] = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-        value = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
-        ids = row.get("prompt_token_ids") if isinstance(row, dict) else None
-        if isinstance(value, str) and value:
-            out.append(value)
-        elif isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
-            out.append(ids)
-        else:
-            raise ValueError(f"{path}:{n}: expected an object with a non-empty \"prompt\", "
-                             f"\"text\" or \"prompt_token_ids\"")
+        found = [row[c] for c in ((column,) if column else COLUMNS)
+                 if isinstance(row, dict) and c in row]
+        out.append(_prompt(found[0] if found else None, f"{path}:{n}", column))
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def _read_hf(source: str, column: str | None) -> list[str | list[int]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{source}: not a file; reading a Hugging Face dataset needs the "
+                         f"datasets package (pip install 'graphtap[harvest]')") from None
+    name, _, split = source.partition(":")
+    try:
+        ds = datasets.load_from_disk(name) if Path(name).is_dir() else \
+            datasets.load_dataset(name, split=split or "train")
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds: say which source
+        raise ValueError(f"{source}: not a JSONL file or a dataset datasets can read "
+                         f"({type(e).__name__}: {e})") from None
+    if isinstance(ds, datasets.DatasetDict):  # a saved DatasetDict: choose its split
+        if (split or "train") not in ds:
+            raise ValueError(f"{source}: no split {split or 'train'!r} (it has "
+                             f"{', '.join(ds)}); name one as {name}:SPLIT")
+        ds = ds[split or "train"]
+    names = [column] if column else [c for c in COLUMNS if c in ds.column_names]
+    if not names or names[0] not in ds.column_names:
+        raise ValueError(f"{source}: no column {column or ' or '.join(COLUMNS)} (it has "
+                         f"{', '.join(ds.column_names)}); choose one with --column")
+    out = [_prompt(v, f"{source}[{i}]", column) for i, v in enumerate(ds[names[0]])]
+    if not out:
+        raise ValueError(f"{source}: no prompts")
+    return out
+
+
+def _prompt(value, where: str, column: str | None) -> str | list[int]:
+    """A non-empty string or a non-empty list of ints, else a ValueError naming where."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(isinstance(i, int) for i in value):
+        return value
+    wanted = f"\"{column}\"" if column else "\"prompt\", \"text\" or \"prompt_token_ids\""
+    raise ValueError(f"{where}: expected a non-empty {wanted} (a string, or a list of "
+                     f"token ids)")
 
 
 def prompts_sha256(prompts: list) -> str:
