@@ -36,13 +36,14 @@ class HookSpecError(VLLMValidationError, ValueError):
 def model_shape(vllm_config, config: HookConfig) -> ModelShape:
     mc = vllm_config.model_config
     num_layers = mc.hf_text_config.num_hidden_layers
+    # every head of the model: requests name heads as at TP=1 (engine/heads.py)
+    num_heads, num_kv_heads = model_heads(mc)
     return ModelShape(
         num_layers=num_layers, hidden_size=mc.get_hidden_size(), max_model_len=mc.max_model_len,
         configured_sites={s.name for s in config.site_table(num_layers).sites},
         max_steers=config.max_steers, max_vectors=config.max_vectors,
         max_captures=config.max_captures,
-        # every head of the model: requests name heads as at TP=1 (engine/heads.py)
-        num_heads=model_heads(mc)[0], num_kv_heads=model_heads(mc)[1],
+        num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=mc.get_head_size(), dtype=str(mc.dtype).removeprefix("torch."),
         save_root=config.save_root, sink=config.sink_dir is not None,
         max_response_rows=config.max_response_rows,

@@ -40,17 +40,18 @@ logger = init_logger(__name__)
 def _sizes(vllm_config, config: HookConfig, sites, patterns: bool,
            capture_width: int) -> Sizes:
     mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+    heads, _ = model_heads(mc)  # the model's, not this rank's (engine/heads.py)
     max_tokens = max(sc.max_num_batched_tokens,
                      vllm_config.compilation_config.max_cudagraph_capture_size or 0)
     return Sizes(max_reqs=sc.max_num_seqs, max_tokens=max_tokens, max_len=mc.max_model_len,
                  num_sites=len(sites), hidden=mc.get_hidden_size(),
-                 steer_width=max(mc.get_hidden_size(), model_heads(mc)[0] * mc.get_head_size()),
+                 steer_width=max(mc.get_hidden_size(), heads * mc.get_head_size()),
                  dtype=mc.dtype,
                  max_steers=config.max_steers, max_vectors=config.max_vectors,
                  max_captures=config.max_captures,
                  capture_rows=config.capture_rows_for(sites, max_tokens),
                  capture_width=capture_width, pattern_rows=config.pattern_rows,
-                 num_heads=model_heads(mc)[0], patterns=patterns,
+                 num_heads=heads, patterns=patterns,
                  max_probes=config.max_probes, probe_width=config.probe_width,
                  probe_rows=config.probe_rows,
                  probe_ring=config.probe_ring, max_spans=config.max_spans,
