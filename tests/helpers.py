@@ -116,3 +116,25 @@ def vllm_server(model, args: list[str], log_path, start_timeout: float = 300,
             yield base
     except ServerFailed as e:
         pytest.fail(str(e))
+
+
+class RecordingSink:
+    """A sink writer (courier/sink.py's producer side) that keeps what it is handed:
+    `handovers` counts put_runs calls, `puts` lists each run as (site, request,
+    position, values, token) with its slice of the labels."""
+
+    def __init__(self):
+        self.puts, self.handovers, self.flushes = [], 0, 0
+
+    def put_runs(self, request, position, token, runs, ready=None):
+        self.handovers += 1
+        self.ready = ready
+        at = 0
+        for site, count, chunks in runs:
+            self.puts.append((site, np.asarray(request[at:at + count]),
+                              np.asarray(position[at:at + count]), chunks,
+                              np.asarray(token[at:at + count])))
+            at += count
+
+    def flush(self):
+        self.flushes += 1

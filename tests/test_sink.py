@@ -194,3 +194,100 @@ def test_the_index_is_rewritten_by_time_not_per_shard(tmp_path):
     assert json.loads((tmp_path / "index.json").read_text())["shards"] == index["shards"]
     assert sink.index_writes < 200, sink.index_writes
     sink.close()
+
+
+def test_one_site_in_two_formats_starts_a_shard_per_format(tmp_path):
+    """Two requests may sink one site in different dtypes (or heads): a shard holds one
+    format, so the writer closes the open shard when the format changes. It wrote both
+    into one shard before, which failed (pieces of different dtypes) and stopped the
+    sink for every request."""
+    import torch
+    from safetensors.torch import load_file as load_torch
+
+    sink = SinkWriter(tmp_path, shard_rows=100)
+    bf16 = torch.randn(3, 4).to(torch.bfloat16)
+    f32 = torch.randn(2, 4)
+    sink.put("a", np.zeros(3, np.int64), np.arange(3), bf16)
+    sink.put("a", np.ones(2, np.int64), np.arange(2), f32)
+    sink.put("a", np.zeros(1, np.int64), np.arange(3, 4), bf16[:1])
+    index = sink.close()
+    shards = [load_torch(str(tmp_path / s["file"])) for s in index["shards"]]
+    assert [s["rows"] for s in index["shards"]] == [3, 2, 1]
+    assert [s["dtype"] for s in index["shards"]] == ["bfloat16", "float32", "bfloat16"]
+    assert torch.equal(shards[0]["values"], bf16) and torch.equal(shards[1]["values"], f32)
+    assert shards[2]["request"].tolist() == [0] and shards[2]["position"].tolist() == [3]
+
+
+def test_a_short_writev_resumes_where_it_stopped(tmp_path):
+    """Shards go out through writev, a batch of pieces a call; a call may write less
+    than asked (a signal, a disk filling up) and the rest follows from there."""
+    import os
+
+    from graphtap.courier.shardfile import _write_all
+
+    def trickle(fd, views):  # at most 5 bytes a call
+        return os.write(fd, bytes(b"".join(bytes(v) for v in views)[:5]))
+
+    buffers = [b"abc", np.arange(10, dtype=np.uint8), b"", b"defghijk"]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    _write_all(fd, buffers, writev=trickle)
+    os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"abc" + bytes(range(10)) + b"defghijk"
+
+
+def test_a_handover_of_several_sites_is_checked_and_split(tmp_path):
+    """put_runs (one hand-over a step, every site's runs) refuses runs whose rows do not
+    match their count, and writes each site's rows to its own shards."""
+    sink = SinkWriter(tmp_path)
+    a, b = np.ones((2, 3), np.float32), np.zeros((1, 3), np.float32)
+    import torch
+    with pytest.raises(ValueError, match="sink: 3 positions"):
+        sink.put_runs(np.zeros(3), np.arange(3), np.zeros(3),
+                      [("a", 1, [torch.from_numpy(a)]), ("b", 2, [torch.from_numpy(b)])])
+    sink.put_runs(np.array([0, 1, 0]), np.array([4, 5, 6]), np.array([7, 8, 9]),
+                  [("a", 2, [torch.from_numpy(a)]), ("b", 1, [torch.from_numpy(b)])])
+    index = sink.close()
+    got = read_site(tmp_path, index, "a")
+    assert got["position"].tolist() == [4, 5] and got["token_id"].tolist() == [7, 8]
+    assert np.array_equal(got["values"], a)
+    assert read_site(tmp_path, index, "b")["request"].tolist() == [0]
+
+
+class CopyStream:
+    """Stands in for the sink's CUDA stream: chunks put as zeros get their bytes when an
+    event of theirs, or a later one, is waited for (events of one stream complete in
+    order)."""
+
+    def __init__(self):
+        self.pending, self.waits = [], 0
+
+    def event(self, chunk, value):
+        self.pending.append((chunk, value))
+        stream = self
+
+        class Event:
+            def synchronize(self):
+                stream.waits += 1
+                while stream.pending:  # everything queued before it has run
+                    c, v = stream.pending.pop(0)
+                    c.copy_(v)
+        return Event()
+
+
+def test_rows_still_on_their_way_are_written_after_their_copy_event(tmp_path):
+    """A sink step's rows come home on the sink's own stream (not gating vLLM's token
+    copy): the writer gets them with the copy's event and waits for it before it writes,
+    once per shard (the latest event of its pieces)."""
+    import torch
+
+    stream, sink = CopyStream(), SinkWriter(tmp_path, shard_rows=6)
+    want = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    for i in range(4):
+        chunk = torch.zeros(2, 3)
+        ready = stream.event(chunk, want[2 * i:2 * i + 2])
+        sink.put_runs(np.zeros(2), np.arange(2 * i, 2 * i + 2), np.zeros(2),
+                      [("a", 2, [chunk])], ready)
+    index = sink.close()
+    assert [s["rows"] for s in index["shards"]] == [6, 2]
+    assert np.array_equal(read_site(tmp_path, index, "a")["values"], want.numpy())
+    assert stream.waits == 2  # one wait per shard

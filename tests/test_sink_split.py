@@ -1,5 +1,5 @@
 """The courier's half of the bulk sink (CaptureStep._to_sink), without an engine: a
-step's sink rows leave in one put per site and format, found from the labels with array
+step's sink rows leave in one hand-over, a run per site and format, found from the labels with array
 operations (a decode step of 64 requests x 32 sites is 2048 one-row groups, and handing
 them over one by one cost 47 ms a step on the H200 host, profile_capture sink mode);
 the rows, labels and token ids equal the buffer's; rows in the buffer's format go as
@@ -13,24 +13,11 @@ from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
 from graphtap.courier.rows import NO_SINK
 from graphtap.engine.families.capture import CaptureFamily, SinkTap
 from graphtap.engine.rows import RowFamily
+from helpers import RecordingSink
 
 WIDTH = 8
 BF16 = RowFormat(torch.bfloat16, WIDTH, None, 0)
 F32 = RowFormat(torch.float32, WIDTH, None, 0)
-
-
-class Recorder:
-    """A sink writer that keeps what it is handed."""
-
-    def __init__(self):
-        self.puts, self.flushes = [], 0
-
-    def put(self, site, request, position, values, token):
-        self.puts.append((site, np.asarray(request), np.asarray(position), values,
-                          np.asarray(token)))
-
-    def flush(self):
-        self.flushes += 1
 
 
 def capture_step(labels, wanted, slot_to_req, formats, sink_of, request_of, live):
@@ -42,7 +29,7 @@ def capture_step(labels, wanted, slot_to_req, formats, sink_of, request_of, live
     step = CaptureStep(StepRows(rows, labels, count, slot_to_req, formats,
                                 {0: "s0", 1: "s1", 2: "s2", 3: "s3"}, 1000,
                                 OverflowKind.CAPTURE_ROWS))
-    writer = Recorder()
+    writer = RecordingSink()
     fmts = (BF16, F32)
     format_of = np.full((max(slot_to_req) + 2, 4), NO_SINK, np.int32)
     for (slot, site), fmt in sink_of.items():
@@ -65,7 +52,8 @@ def test_sink_rows_leave_per_site_and_format_beside_per_request_rows():
     step, writer = capture_step(labels, [9, 2, 2, 1], {0: "a", 1: "b", 2: "c", 3: "d"},
                                 formats, sink_of, [70, 71, 72, 0], live)
     out = step.per_request()
-    assert [p[0] for p in writer.puts] == ["s0", "s1"]  # one put per site and format
+    assert writer.handovers == 1  # one hand-over a step
+    assert [p[0] for p in writer.puts] == ["s0", "s1"]  # a run per site and format
     site, request, position, values, token = writer.puts[0]
     assert request.tolist() == [70, 70, 70, 71] and position.tolist() == [5, 6, 7, 4]
     assert token.tolist() == [1000, 1001, 1002, 1004]
@@ -91,10 +79,10 @@ def test_sink_rows_leave_per_site_and_format_beside_per_request_rows():
     assert step.per_request() == {} and writer.flushes == 1
 
 
-def test_a_decode_step_of_many_requests_is_one_piece_per_site():
-    """64 requests x 4 sites, one row each, site-major as the device writes them: 4 puts,
-    each one view of the step copy (the writer used to get 64 one-row pieces a site and
-    write each with a call of its own)."""
+def test_a_decode_step_of_many_requests_is_one_handover_of_a_run_per_site():
+    """64 requests x 4 sites, one row each, site-major as the device writes them: one
+    hand-over of 4 runs, each one view of the step copy (the writer used to get 64
+    one-row pieces a site and write each with a call of its own, then one put a site)."""
     n, sites = 64, 4
     labels = [(r, s, 100 + r) for s in range(sites) for r in range(n)]
     formats = {r: {s: BF16 for s in range(sites)} for r in range(n)}
@@ -102,7 +90,7 @@ def test_a_decode_step_of_many_requests_is_one_piece_per_site():
     step, writer = capture_step(labels, [sites] * n, {r: f"r{r}" for r in range(n)},
                                 formats, sink_of, np.arange(n) + 7, set(range(n)))
     assert step.per_request() == {}
-    assert [p[0] for p in writer.puts] == ["s0", "s1", "s2", "s3"]
+    assert writer.handovers == 1 and [p[0] for p in writer.puts] == ["s0", "s1", "s2", "s3"]
     for s, (_, request, position, values, _) in enumerate(writer.puts):
         assert len(values) == 1 and torch.equal(values[0], step.rows[s * n:(s + 1) * n])
         assert request.tolist() == list(range(7, 7 + n))
@@ -118,3 +106,32 @@ def test_the_capture_family_narrows_the_columns_a_step_copies():
     family._cols = {0: 256, 1: 512, 2: 1536}
     assert family.columns([0, 1], hi=10) == 512
     assert family.columns([], hi=10) == 0
+
+
+class Event:
+    def __init__(self):
+        self.waited = 0
+
+    def synchronize(self):
+        self.waited += 1
+
+
+def test_the_copy_event_goes_with_views_and_is_waited_for_before_copies_here():
+    """On a GPU a sink step's rows come home on the sink's stream, `rows_ready` its
+    event: views of them go to the writer with the event (the engine's thread does not
+    wait); the engine's thread waits only where it reads the rows itself: a cast or head
+    cut for the sink, or another request's rows in the same step."""
+    sink_all = {(0, 0): BF16, (0, 1): BF16}
+    formats = {0: {0: BF16, 1: BF16}, 1: {0: BF16}}
+    labels = [(0, 0, 1), (1, 0, 1), (0, 1, 1)]
+    step, writer = capture_step(labels[::2], [2], {0: "a"}, formats, sink_all, [5], {0})
+    step.rows_ready = ready = Event()
+    assert step.per_request() == {} and writer.ready is ready and ready.waited == 0
+    step, writer = capture_step(labels, [2, 1], {0: "a", 1: "b"}, formats, sink_all,
+                                [5, 6], {0})  # b's row comes back with b
+    step.rows_ready = ready = Event()
+    assert set(step.per_request()) == {"b"} and writer.ready is ready and ready.waited == 1
+    step, writer = capture_step(labels[::2], [2], {0: "a"}, {0: {0: F32, 1: BF16}},
+                                {(0, 0): F32, (0, 1): BF16}, [5], {0})  # a cast: a copy
+    step.rows_ready = ready = Event()
+    assert step.per_request() == {} and writer.ready is None and ready.waited == 1

@@ -2,6 +2,7 @@
 # One step of the GPU measurement, after the offline bundle is installed in /tmp/vllm-site
 # (see ../shared/gpu-bundle/README.md). Steps, each within the device's 10-minute limit:
 #   check            graph parity + in-graph proof on a tiny model (patched)
+#   sinkcheck        the bulk sink's rows under graphs equal per-request captures
 #   <model> stock    TPOT, stock vLLM wheel
 #   <model> graphtap TPOT, patched wheel + graphtap (idle and steering alternate;
 #                    BENCH_ARGS="--modes idle,hs,qk,mixed,dump ..." for the capture loads)
@@ -21,6 +22,7 @@ DEPS=/tmp/vllm-site/deps
 while [ $# -gt 0 ]; do
   case "$1" in
     check)  PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_graphs; shift ;;
+    sinkcheck) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_sink; shift ;;
     report) python3 -m benchmarks.gpu.bench_tpot --report --out "$OUT"; shift ;;
     twin)   PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
                -m benchmarks.gpu.bench_twin --model "$2" --out "$OUT" ${TWIN_ARGS:-}; shift 2 ;;

@@ -35,6 +35,25 @@ class RowFormat(NamedTuple):
 class CaptureStep(LabelledStep):
     """A capture step; labels (slot, site, position) per row."""
 
+    rows_ready = None  # a sink step's event: its rows are on the host (None: with the rest)
+
+    def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
+        # A sink step's rows go home on the sink's own stream: on vLLM's copy stream the
+        # step's sampled tokens waited for them (its copy event is recorded after every
+        # copy), a 2048-token prefill of every layer of Llama-3-8B being 512 MB. The
+        # writer waits for this event before it writes them; the per-request split of
+        # the step's other rows waits here (_gathered).
+        stream = None if self.sink is None else self.sink.stream
+        if stream is None:
+            return super()._rows_to_cpu(rows)
+        stream.wait_stream(torch.cuda.current_stream())  # vLLM's copy stream: after the clone
+        with torch.cuda.stream(stream):
+            host = rows.to("cpu", non_blocking=True)
+            self.rows_ready = torch.cuda.Event(blocking=True)
+            self.rows_ready.record(stream)
+        rows.record_stream(stream)  # the clone's block is not reused before the copy ran
+        return host
+
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
         # Copies out of the pinned step buffer (a view would keep it from going back to
         # the caching host allocator) of the bytes returned only, in few large copies:
@@ -47,6 +66,8 @@ class CaptureStep(LabelledStep):
         keep = self._to_sink() if self.sink is not None else None
         if keep is not None and not keep.any():
             return {}  # every row went to the sink (a harvest's steps)
+        if self.rows_ready is not None:
+            self.rows_ready.synchronize()  # other requests' rows rode the sink's stream
         labels, perm = self.sorted_labels(ORDER, keep)
         groups = list(self.spans(labels, perm, SLOT, SITE))
         by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
@@ -74,9 +95,9 @@ class CaptureStep(LabelledStep):
         return out
 
     def _to_sink(self) -> np.ndarray:
-        """Sends the rows of sink entries to the sink: per site and format one put of the
-        runs of the buffer that hold them (a site's rows are one run in the usual step,
-        the device writing them site-major), found with array operations over the
+        """Sends the rows of sink entries to the sink in one hand-over: per site and format
+        the runs of the buffer that hold them (a site's rows are one run in the usual
+        step, the device writing them site-major), found with array operations over the
         step's labels, never per request (a decode step of 64 requests x 32 sites has
         2048 one-row groups). A request that lost rows this step gets the overflow
         error and sends none of them. Returns which rows are left for the per-request
@@ -88,41 +109,60 @@ class CaptureStep(LabelledStep):
             return np.zeros(0, dtype=bool)
         labels = self.labels[:used].numpy()
         slot, site = labels[:, SLOT], labels[:, SITE]
-        fmt = tap.format_of[slot, site].astype(np.int64)
+        # per row a run key: site x formats + format id for sink rows, else NO_SINK; from
+        # a [slot, site] table by one flat gather (2-D fancy indexing cost 4x as much)
+        sites, n_fmt = tap.format_of.shape[1], len(tap.formats)
+        table = np.where(tap.format_of >= 0,
+                         np.arange(sites, dtype=np.int64) * n_fmt + tap.format_of,
+                         tap.format_of.astype(np.int64))
+        keys = table.reshape(-1)[slot * sites + site]
         lost = self.overflow()
         if lost:
             lost_slots = [s for s, r in self.slot_to_req.items() if r in lost]
-            fmt[np.isin(slot, lost_slots) & (fmt >= 0)] = LOST
-        keys = np.where(fmt >= 0, site.astype(np.int64) * len(tap.formats) + fmt, fmt)
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-        ends = np.r_[starts[1:], used]
+            keys[np.isin(slot, lost_slots) & (keys >= 0)] = LOST
+        starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+        ends = np.concatenate((starts[1:], [used]))
         runs: dict[int, list[tuple[int, int]]] = {}
         for start, end, key in zip(starts.tolist(), ends.tolist(), keys[starts].tolist()):
             if key >= 0:
                 runs.setdefault(key, []).append((start, end))
-        tokens = self.tokens.numpy() if runs else None
-        for key, spans in runs.items():  # few, large: one per site and format
-            site_id, f = divmod(key, len(tap.formats))
-            at = np.concatenate([np.arange(a, b) for a, b in spans]) if len(spans) > 1 \
-                else slice(*spans[0])
-            # copies of the labels (the writer may hold them long after this step)
-            tap.writer.put(self.site_names[site_id], tap.request_of[slot[at]],
-                           np.array(labels[at, POSITION], np.int64),
-                           [self._sink_values(a, b, tap.formats[f]) for a, b in spans],
-                           np.array(tokens[at], np.int64))
+        if runs:  # one hand-over a step: per site and format the runs that hold it
+            tokens = self.tokens.numpy()
+            if all(len(spans) == 1 for spans in runs.values()):  # the usual: in order
+                sunk = keys >= 0
+                # a harvest's steps are all sink rows: slices, one copy each
+                at = slice(None) if sunk.all() else np.flatnonzero(sunk)
+            else:
+                at = np.concatenate([np.arange(a, b) for spans in runs.values()
+                                     for a, b in spans])
+            # copies: the writer holds the labels long after the step buffer is reused
+            ready = self.rows_ready
+            if ready is not None and any(tap.formats[key % n_fmt] != self._native(
+                    tap.formats[key % n_fmt]) for key in runs):
+                ready.synchronize()  # a format other than the buffer's is a copy made here
+                ready = None
+            tap.writer.put_runs(
+                tap.request_of[slot[at]], np.array(labels[at, POSITION], np.int64),
+                np.array(tokens[at], np.int64),
+                [(self.site_names[key // n_fmt], sum(b - a for a, b in spans),
+                  [self._sink_values(a, b, tap.formats[key % n_fmt])
+                   for a, b in spans]) for key, spans in runs.items()], ready)
         tap.done()
-        return fmt == NO_SINK
+        return keys == NO_SINK
 
     def _sink_values(self, start: int, end: int, fmt: RowFormat) -> torch.Tensor:
         """A run of sink rows in its format: in the buffer's dtype and width, a view of the
         pinned step buffer, written from there (it returns to the allocator once written;
         the sink's byte bound counts it); otherwise a copy with the cast and the chosen
         heads in one pass."""
-        dtype, width, heads, head_dim = fmt
         rows = self.rows[start:end]
-        if dtype == rows.dtype and width == rows.shape[1] and heads is None:
-            return rows.view(end - start, -1, head_dim) if head_dim else rows
+        if fmt == self._native(fmt):
+            return rows.view(end - start, -1, fmt.head_dim) if fmt.head_dim else rows
         return self._cut(rows, fmt)
+
+    def _native(self, fmt: RowFormat) -> RowFormat:
+        """The format in which a site's rows are views of the step copy (no copy made)."""
+        return fmt._replace(dtype=self.rows.dtype, width=self.rows.shape[1], heads=None)
 
     @staticmethod
     def _cut(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:

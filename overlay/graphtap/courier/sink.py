@@ -17,7 +17,13 @@ lists the requests that have such rows (keep the last row of a position, as the
 per-request path does). Shards are written under a temporary
 name and renamed, by `writers` threads at once (one thread's copies into the page cache
 were the limit of a harvest of every layer on the H200 host): a reader never sees half
-a shard, and index.json lists each site's shards in order.
+a shard, and index.json lists each site's shards in order. A shard holds one format
+(its dtype and row shape are in the index): two requests sinking one site in different
+dtypes or heads get shards of their own.
+
+A step's rows arrive in one hand-over (`put_runs`: every site's runs), on a GPU still
+on their way home on the sink's own copy stream: the writer waits for the copy's event
+before it writes them, so vLLM's sampled tokens never wait for a harvest's bytes.
 
 Memory is bounded: `put` blocks while the rows the writer holds, queued or gathered
 into shards not yet written, would pass `max_queued_bytes` (backpressure: the engine
@@ -74,10 +80,12 @@ class SinkWriter:
         self._open_rows: dict[str, int] = {}  # site -> rows in them
         self._count: dict[str, int] = {}  # site -> shards written
         self._shards: list[dict] = []
-        # site -> per request index the last position written (-1: none yet); an array,
+        # per site and request index the last position written (-1: none yet); an array,
         # checked a piece at a time (a dict looked up per request of every piece held
         # the GIL the engine's thread needs)
-        self._through: dict[str, np.ndarray] = {}
+        self._through = np.full((0, 0), -1, np.int64)  # [site id, request]
+        self._site_ids: dict[str, int] = {}
+        self._open_fmt: dict[str, tuple] = {}  # site -> its open shard's (dtype, shape)
         self._repeated: set[int] = set()  # requests with a position written twice
         self._busy = False  # the thread holds a piece it has taken off the queue
         self._inflight = 0  # shards handed to the writers, not yet written
@@ -100,19 +108,34 @@ class SinkWriter:
         an array, or a list of tensors whose rows follow each other: views of a step
         buffer are written from where they are), the input token ids (None: -1)."""
         n = len(position)
-        token = np.full(n, -1, np.int64) if token is None else np.asarray(token, np.int64)
+        token = np.full(n, -1, np.int64) if token is None else token
         chunks = [torch.as_tensor(v) for v in values] if isinstance(values, list) else \
             [torch.as_tensor(values)]
-        rows = sum(len(c) for c in chunks)
-        if not (len(request) == n == rows == len(token)):
+        self.put_runs(request, position, token, [(site, n, chunks)])
+
+    def put_runs(self, request: np.ndarray, position: np.ndarray, token: np.ndarray,
+                 runs: list[tuple[str, int, list[torch.Tensor]]], ready=None) -> None:
+        """A step's rows of several sites in one hand-over (one lock, one queue entry:
+        a decode step of every layer is 32 sites, and each hand-over costs the engine's
+        thread the GIL): runs of (site, rows, chunks whose rows follow each other),
+        labelled in order by request, position and token (int64 arrays the writer keeps:
+        copies, not views of tables the next step changes). `ready`: an event (CUDA)
+        after which the chunks' bytes are there (they are still being copied home on the
+        sink's one stream, so a later event implies every earlier one); None: now."""
+        request, position, token = (np.asarray(a, np.int64) for a in (request, position, token))
+        n = len(position)
+        rows = sum(len(c) for _, _, chunks in runs for c in chunks)
+        if not (len(request) == n == rows == len(token) == sum(r[1] for r in runs)) or any(
+                sum(len(c) for c in chunks) != count for _, count, chunks in runs):
             raise ValueError(f"sink: {n} positions, {len(request)} request indices, "
                              f"{len(token)} token ids and {rows} rows")
         if not n:
             return
-        piece = (site, np.asarray(request, np.int64), np.asarray(position, np.int64),
-                 token, [c.contiguous() for c in chunks if len(c)])
-        size = sum(a.nbytes for a in piece[1:4]) + \
-            sum(c.numel() * c.element_size() for c in piece[4])
+        runs = [(site, count, [c if c.is_contiguous() else c.contiguous()
+                               for c in chunks if len(c)]) for site, count, chunks in runs
+                if count]
+        piece = (request, position, token, runs, ready)
+        size = 24 * n + sum(c.numel() * c.element_size() for *_, chunks in runs for c in chunks)
         with self._cv:
             waited, t0 = False, time.monotonic()
             while (self._error is None and self._held
@@ -210,45 +233,62 @@ class SinkWriter:
         return bool(self._waiting and self._open and not self._inflight)
 
     def _take(self, piece) -> None:
-        site, request, position, token, chunks = piece
-        self._note_repeats(site, request, position)
-        self._open.setdefault(site, []).append((request, position, token, chunks))
-        self._open_rows[site] = self._open_rows.get(site, 0) + len(position)
-        while self._open_rows.get(site, 0) >= self.shard_rows:
-            self._flush(site, self.shard_rows)
+        request, position, token, runs, ready = piece
+        self._note_repeats(request, position, runs)
+        at = 0
+        for site, count, chunks in runs:
+            fmt = (chunks[0].dtype, tuple(chunks[0].shape[1:]))
+            if self._open_fmt.get(site, fmt) != fmt:
+                self._flush(site)  # a shard holds one format (requests may differ)
+            self._open_fmt[site] = fmt
+            self._open.setdefault(site, []).append(
+                (request[at:at + count], position[at:at + count], token[at:at + count],
+                 chunks, ready))
+            at += count
+            self._open_rows[site] = self._open_rows.get(site, 0) + count
+            while self._open_rows.get(site, 0) >= self.shard_rows:
+                self._flush(site, self.shard_rows)
 
-    def _note_repeats(self, site: str, request: np.ndarray, position: np.ndarray) -> None:
-        """Requests with a position at or before one already written at the site go to
-        `repeated` (a recomputation after preemption)."""
-        seen = self._through.get(site)
-        top = int(request.max()) + 1
-        if seen is None or len(seen) < top:
-            grown = np.full(max(top, 2 * (0 if seen is None else len(seen))), -1, np.int64)
-            if seen is not None:
-                grown[:len(seen)] = seen
-            self._through[site] = seen = grown
-        order = np.argsort(request, kind="stable")  # a piece's requests come in runs
-        r, p = request[order], position[order]
-        starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
-        ids = r[starts]
-        prev = seen[ids]
+    def _note_repeats(self, request: np.ndarray, position: np.ndarray, runs) -> None:
+        """Requests with a position at or before one already written at the same site go
+        to `repeated` (a recomputation after preemption); one pass over the piece."""
+        sites = [self._site_ids.setdefault(site, len(self._site_ids)) for site, _, _ in runs]
+        site = np.repeat(np.asarray(sites, np.int64), [count for _, count, _ in runs])
+        seen = self._through
+        shape = (len(self._site_ids), int(request.max()) + 1)
+        if seen.shape[0] < shape[0] or seen.shape[1] < shape[1]:
+            grown = np.full((max(shape[0], 2 * seen.shape[0]), max(shape[1], 2 * seen.shape[1])),
+                            -1, np.int64)
+            grown[:seen.shape[0], :seen.shape[1]] = seen
+            self._through = seen = grown
+        key = site * seen.shape[1] + request
+        order = np.argsort(key, kind="stable")  # a site's requests come in runs
+        k, p = key[order], position[order]
+        starts = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1])))
+        ids = k[starts]
+        flat = seen.reshape(-1)
+        prev = flat[ids]
         again = ids[(prev >= 0) & (np.minimum.reduceat(p, starts) <= prev)]
         if len(again):
-            self._repeated.update(again.tolist())
-        seen[ids] = np.maximum(prev, np.maximum.reduceat(p, starts))
+            self._repeated.update((again % seen.shape[1]).tolist())
+        flat[ids] = np.maximum(prev, np.maximum.reduceat(p, starts))
 
     def _flush(self, site: str, rows: int | None = None) -> None:
         """Write the site's first `rows` pending rows (all: None) as its next shard."""
         pending = self._open.pop(site, [])
         self._open_rows.pop(site, None)
+        fmt = self._open_fmt.pop(site, None)
         if not pending:
             return
         request, position, token = (np.concatenate([p[i] for p in pending]) for i in range(3))
         chunks = [c for p in pending for c in p[3]]
+        # the latest copy event of the pieces (one stream: it implies the earlier ones)
+        ready = next((p[4] for p in reversed(pending) if p[4] is not None), None)
         if rows is not None and rows < len(position):
             chunks, rest = _cut(chunks, rows)
-            self._open[site] = [(request[rows:], position[rows:], token[rows:], rest)]
+            self._open[site] = [(request[rows:], position[rows:], token[rows:], rest, ready)]
             self._open_rows[site] = len(position) - rows
+            self._open_fmt[site] = fmt
             request, position, token = request[:rows], position[:rows], token[:rows]
         k = self._count.get(site, 0)
         self._count[site] = k + 1
@@ -256,15 +296,17 @@ class SinkWriter:
             self._inflight += 1
         # the rows travel in a list the writer empties before it gives their bytes back:
         # no reference (these locals, the pool's work item) outlives the accounting
-        job = [request, position, token, chunks]
-        del request, position, token, chunks, pending
+        job = [request, position, token, chunks, ready]
+        del request, position, token, chunks, pending, ready
         self._pool.submit(self._write, site, k, job)
 
     def _write(self, site: str, k: int, job: list) -> None:
         """One shard's file (a writer thread)."""
-        request, position, token, chunks = job
+        request, position, token, chunks, ready = job
         job.clear()
         try:
+            if ready is not None:
+                ready.synchronize()  # the rows' copy home has run (releases the GIL)
             folder = self.root / site
             folder.mkdir(exist_ok=True)
             name = f"shard-{k:05d}.safetensors"
@@ -274,7 +316,9 @@ class SinkWriter:
                                "token_id": [torch.from_numpy(token)]})
             os.replace(tmp, folder / name)
             shard = {"site": site, "file": f"{site}/{name}", "rows": int(len(position)),
-                     "bytes": (folder / name).stat().st_size}
+                     "bytes": (folder / name).stat().st_size,
+                     "dtype": str(chunks[0].dtype).removeprefix("torch."),
+                     "shape": list(chunks[0].shape[1:])}
             with self._index_lock:
                 self._shards.append(shard)
                 with self._cv:
@@ -285,7 +329,7 @@ class SinkWriter:
         except BaseException as e:  # noqa: BLE001 - reported to every later put
             error = e
         written = 24 * len(position) + sum(c.numel() * c.element_size() for c in chunks)
-        del request, position, token, chunks  # a pinned step buffer goes back once its
+        del request, position, token, chunks, ready  # a pinned step buffer goes back once its
         # last view is written
         with self._cv:  # 3 int64 labels a row and the values: what put counted
             self._held -= written

@@ -95,11 +95,14 @@ class LabelledStep:
         # counts and lost rows seen on the H200 before this). Released in per_request,
         # which runs after the copy event.
         self._device = (self.rows, self.labels, self.count, self.tokens)
-        self.rows = self.rows.to("cpu", non_blocking=True)
+        self.rows = self._rows_to_cpu(self.rows)
         self.labels = self.labels.to("cpu", non_blocking=True)
         self.count = self.count.to("cpu", non_blocking=True)
         if self.tokens is not None:
             self.tokens = self.tokens.to("cpu", non_blocking=True)
+
+    def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.to("cpu", non_blocking=True)
 
     def release_device(self) -> None:
         self._device = None

@@ -37,6 +37,9 @@ class CaptureFamily(RowFamily):
         self._sunk: set[int] = set()  # slots of live requests with sink entries
         self._heads: set[int] = set()  # slots of live requests capturing attention sites
         self._input_ids: torch.Tensor | None = None  # the routed step's, while it sinks
+        # the sink steps' rows go home on a stream of their own (CaptureStep._rows_to_cpu)
+        self._sink_stream = torch.cuda.Stream(self.t.buf.device) \
+            if sink is not None and self.t.buf.is_cuda else None
 
     def entries(self, spec: NormalisedSpec) -> tuple:
         return spec.capture
@@ -109,7 +112,7 @@ class CaptureFamily(RowFamily):
             # reads this step's rows
             step.sink = SinkTap(self.sink, self._sink_format.copy(),
                                 self._sink_request.copy(), tuple(self._sink_formats),
-                                self._sunk)  # a format's id is its place in the dict
+                                self._sunk, self._sink_stream)  # a format's id: its place
             # each row's input token id, gathered on the device by its TOKEN label
             # (copied home with the rows): decode tokens exist nowhere else here
             ids, n = self._input_ids, len(step.rows)
@@ -124,9 +127,10 @@ class SinkTap:
     request's index in the sink."""
 
     def __init__(self, writer, format_of: np.ndarray, request_of: np.ndarray,
-                 formats: tuple[RowFormat, ...], live: set):
+                 formats: tuple[RowFormat, ...], live: set, stream=None):
         self.writer, self.format_of, self.request_of = writer, format_of, request_of
         self.formats, self._live = formats, live
+        self.stream = stream  # the sink rows' copy stream (None: vLLM's, on CPU)
 
     def done(self) -> None:
         """After the step's puts: with no sink request left (the last finished before
