@@ -2,12 +2,14 @@
 """GPU check of the bulk sink under CUDA graphs (issue 18): a sink step's rows come home
 on the sink's own stream and are written after that copy's event, so the GPU is where
 a missed wait would show (rows written before they arrived: zeros or another step's
-bytes). On a tiny bf16 Llama with FULL_AND_PIECEWISE graphs, one batch of the same
-prompts three ways: captured per request (model dtype and float32), sunk in the model's
-dtype (views of the step copy, written after the event) and sunk as float32 (a cast
-made on the engine's thread after waiting), beside plain requests. Every sunk
-(request, position) appears once and equals the per-request capture of the same
-prompt. Writes a JSON verdict; exits 1 if a check fails."""
+bytes). On a tiny bf16 Llama with FULL_AND_PIECEWISE graphs, the same prompts in three
+batches: captured per request (the reference); sunk in the model's dtype beside plain
+requests only (views of the step copy handed over before it arrived, written after the
+event); sunk as float32 (a cast made on the engine's thread after waiting) and in the
+model's dtype beside per-request captures in the same steps. Every sunk (request,
+position) appears once and equals the per-request capture of the same prompt. Writes
+a JSON verdict; exits 1 if a check fails. Session 17's first run compared a site's
+shards of both dtypes concatenated (float32): its dtype failure was the check's."""
 import json
 import os
 import shutil
@@ -46,42 +48,63 @@ def main() -> int:
                                 "sink_shard_rows": 100}, **graphs)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, size=n).tolist() for n in (7, 90, 33, 150, 12)]
-    ways = [("model", False), ("float32", False), ("model", True), ("float32", True), None]
-    batch = [(p, w) for p in prompts for w in ways]
-    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
-                             **({"hooks": spec(*w)} if w else {})) for _, w in batch]
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, use_tqdm=False)
+
+    def generate(ways):
+        batch = [(p, w) for p in prompts for w in ways]
+        params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                 **({"hooks": spec(*w)} if w else {})) for _, w in batch]
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params,
+                            use_tqdm=False)
+        return list(zip(batch, outs))
+
+    # 1: per-request references; 2: model-dtype sink requests beside plain ones only,
+    # so every sink step hands its rows over as views still being copied (the event
+    # path: nothing on the engine's thread waits); 3: the float32 sink (a cast made on
+    # the engine's thread after the event) beside per-request captures in the same steps
+    refs = generate([("model", False), None])
+    sunk = generate([("model", True), None]) + generate(
+        [("float32", False), ("float32", True), ("model", True)])
+    ref_of = {(tuple(p), w): o for (p, w), o in refs + sunk if w and not w[1]}
     index = llm.collective_rpc("graphtap_sink_sync")[0]
     requests = index["requests"]
     checks, worst = [], 0.0
-    for (prompt, way), out in zip(batch, outs):
+    for (prompt, way), out in sunk:
         if not way or not way[1]:
             continue
-        kept = outs[batch.index((prompt, (way[0], False)))].hooks
+        kept = ref_of[(tuple(prompt), (way[0], False))].hooks
         ran = len(prompt) + len(out.outputs[0].token_ids) - 1
-        me = requests.index(next(r for r in requests if r.startswith(out.request_id)))
+        # the engine core's ids: vLLM appends "-" and 8 hex digits to each request's id
+        me = [r.rsplit("-", 1)[0] for r in requests].index(out.request_id)
         for site in SITES:
+            want = kept[site]
+            # the site's shards in this request's format (one format a shard: the model
+            # and float32 ways of a site are shards of their own)
             shards = [load_file(str(sink_dir / s["file"])) for s in index["shards"]
-                      if s["site"] == site]
+                      if s["site"] == site and s["dtype"] == str(want.dtype)[6:]]
             mine = [(f["position"][f["request"] == me], f["values"][f["request"] == me])
                     for f in shards]
             pos = torch.cat([m[0] for m in mine])
             vals = torch.cat([m[1] for m in mine])
-            want = kept[site]
-            ok = pos.tolist() == list(range(ran)) and vals.dtype == want.dtype \
-                and vals.shape == want.shape
-            err = float((vals.float() - want.float()).abs().max()
-                        / want.float().abs().max().clamp_min(1e-6)) if ok else float("inf")
+            same = vals.dtype == want.dtype and vals.shape == want.shape
+            diff = (vals.float() - want.float()).abs() if same else None
+            err = float(diff.max() / want.float().abs().max().clamp_min(1e-6)) if same \
+                else float("inf")
             worst = max(worst, err)
             checks.append({"way": way[0], "site": site, "rows": len(pos), "ran": ran,
                            "complete_once_in_order": pos.tolist() == list(range(ran)),
+                           "dtype": [str(vals.dtype), str(want.dtype)],
+                           "shape": [list(vals.shape), list(want.shape)],
+                           "nonfinite": int((~torch.isfinite(vals.float())).sum()),
+                           "rows_equal": int((diff.flatten(1).amax(1) == 0).sum()) if same
+                           else None,
                            "max_rel_vs_per_request": err})
-    errors = [o.hooks.error for o in outs if o.hooks is not None and o.hooks.error]
+    errors = [o.hooks.error for _, o in refs + sunk if o.hooks is not None and o.hooks.error]
     verdict = {"errors": errors, "sink_checks": len(checks), "worst_max_rel": worst,
                "shards": len(index["shards"]), "repeated": index["repeated"],
                "stats": llm.collective_rpc("graphtap_hook_stats")[0].get("sink"),
                "checks": checks}
-    # same prompt, same batch, same kernels: equal up to the batch's own bf16 noise
+    # the same prompts: equal up to bf16 noise between batches of other sizes (a row
+    # written before its copy arrived would be zeros or another step's bytes)
     verdict["ok"] = bool(not errors and checks and worst <= 1e-2
                          and all(c["complete_once_in_order"] for c in checks))
     shutdown(llm)
