@@ -100,3 +100,38 @@ def test_sink_needs_an_engine_sink():
         normalise(parse_spec(spec(True)), shape)
     assert normalise(parse_spec(spec(True)), shape.model_copy(update={"sink": True})) \
         .capture[0].sink
+
+
+def test_a_stopped_writer_fails_sink_requests_and_the_engine_goes_on(engine, llama_path,
+                                                                    sink_dir):
+    """The writer stops on a failed write (a full disk; here index.json made a folder,
+    so its rewrite fails). Every later sink request gets the error; a plain request of
+    the same batch and later requests are untouched; graphtap_sink_sync answers with the
+    error instead of raising in the worker. (Last in the module: the sink stays
+    stopped.) Before, the failed put raised through vLLM's output path and the engine
+    died."""
+    import time
+
+    from vllm import SamplingParams
+
+    read_sink(engine, sink_dir)  # everything before is written
+    (sink_dir / "index.json").unlink()
+    (sink_dir / "index.json").mkdir()
+    (sink_dir / "index.json" / "keep").write_text("")
+    ids = tokenize(llama_path, TEXTS[:2])
+    sink = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, hooks=spec(True))
+    plain = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate([{"prompt_token_ids": ids[0]}], sink, use_tqdm=False)  # its shards fail
+    deadline = time.monotonic() + 60
+    while not engine.collective_rpc("graphtap_hook_stats")[0]["sink"]["error"]:
+        assert time.monotonic() < deadline, "the writer did not stop"
+        time.sleep(0.2)
+    want = engine.generate([{"prompt_token_ids": ids[1]}], plain, use_tqdm=False)[0]
+    outs = engine.generate([{"prompt_token_ids": ids[0]}, {"prompt_token_ids": ids[1]}],
+                           [sink, plain], use_tqdm=False)
+    assert "the writer stopped" in outs[0].hooks.error
+    assert outs[1].outputs[0].token_ids == want.outputs[0].token_ids
+    answer = engine.collective_rpc("graphtap_sink_sync")[0]
+    assert "the writer stopped" in answer["error"] and answer["shards"]
+    again = engine.generate([{"prompt_token_ids": ids[1]}], plain, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids

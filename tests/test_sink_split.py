@@ -135,3 +135,27 @@ def test_the_copy_event_goes_with_views_and_is_waited_for_before_copies_here():
                                 {(0, 0): F32, (0, 1): BF16}, [5], {0})  # a cast: a copy
     step.rows_ready = ready = Event()
     assert step.per_request() == {} and writer.ready is None and ready.waited == 1
+
+
+class FailedSink(RecordingSink):
+    def put_runs(self, *args, **kwargs):
+        from graphtap.courier.sink import SinkFailed
+        raise SinkFailed("sink: the writer stopped: OSError(28, 'No space left on device')")
+
+
+def test_a_stopped_writer_fails_the_sink_requests_of_the_step_not_the_engine():
+    """A full disk stops the writer and every later put raises SinkFailed: it went up
+    through the courier into vLLM's output path and killed the engine. Now each request
+    with sink rows in the step gets the error; other requests' rows still come back."""
+    from graphtap.courier.chunks import ERROR, error_message
+
+    labels = [(0, 0, 5), (1, 0, 4), (2, 0, 3)]
+    step, _ = capture_step(labels, [1, 1, 1], {0: "a", 1: "b", 2: "c"},
+                           {0: {0: BF16}, 1: {0: BF16}, 2: {0: BF16}},
+                           {(0, 0): BF16, (2, 0): BF16}, [70, 71, 72], {0, 2})
+    step.sink.writer = FailedSink()
+    out = step.per_request()
+    assert set(out) == {"a", "b", "c"}
+    for req in "ac":
+        assert "No space left" in error_message(out[req][ERROR]) and len(out[req]) == 1
+    assert torch.equal(out["b"]["s0"], step.rows[1:2])

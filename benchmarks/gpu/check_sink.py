@@ -6,7 +6,8 @@ bytes). On a tiny bf16 Llama with FULL_AND_PIECEWISE graphs, the same prompts in
 batches: captured per request (the reference); sunk in the model's dtype beside plain
 requests only (views of the step copy handed over before it arrived, written after the
 event); sunk as float32 (a cast made on the engine's thread after waiting) and in the
-model's dtype beside per-request captures in the same steps. Every sunk (request,
+model's dtype beside per-request captures in the same steps. The step copies go
+through the sink's pinned staging memory (courier/staging.py). Every sunk (request,
 position) appears once and equals the per-request capture of the same prompt. Writes
 a JSON verdict; exits 1 if a check fails. Session 17's first run compared a site's
 shards of both dtypes concatenated (float32): its dtype failure was the check's."""
@@ -105,8 +106,11 @@ def main() -> int:
                "checks": checks}
     # the same prompts: equal up to bf16 noise between batches of other sizes (a row
     # written before its copy arrived would be zeros or another step's bytes)
+    stats = verdict["stats"]
     verdict["ok"] = bool(not errors and checks and worst <= 1e-2
-                         and all(c["complete_once_in_order"] for c in checks))
+                         and all(c["complete_once_in_order"] for c in checks)
+                         # on a GPU the step copies went through the pinned staging
+                         and (cpu or (stats["staged_total"] > 0 and not stats["error"])))
     shutdown(llm)
     shutil.rmtree(sink_dir, ignore_errors=True)
     out = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results")) / "gpu-sink-check.json"

@@ -18,6 +18,9 @@ def sink_index(llm) -> dict | None:
     if len(found) > 1:
         raise RuntimeError("harvest: more than one sink answered (data parallel: harvest "
                            "one replica at a time)")
+    if found and found[0].get("error"):
+        raise RuntimeError(f"harvest: the engine's sink stopped ({found[0]['error']}); "
+                           f"the shards written before are kept: run again to resume")
     return found[0] if found else None
 
 

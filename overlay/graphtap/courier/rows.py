@@ -9,7 +9,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from graphtap.courier.chunks import positions_key
+from graphtap.courier.chunks import ERROR, error_tensor, positions_key
+from graphtap.courier.sink import SinkFailed
 from graphtap.courier.snapshot import LabelledStep
 from graphtap.ops.tables import Label
 
@@ -36,6 +37,7 @@ class CaptureStep(LabelledStep):
     """A capture step; labels (slot, site, position) per row."""
 
     rows_ready = None  # a sink step's event: its rows are on the host (None: with the rest)
+    staged = None  # the offset of the sink's staging block its rows were copied into
 
     def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
         # A sink step's rows go home on the sink's own stream: on vLLM's copy stream the
@@ -47,14 +49,35 @@ class CaptureStep(LabelledStep):
         if stream is None:
             return super()._rows_to_cpu(rows)
         stream.wait_stream(torch.cuda.current_stream())  # vLLM's copy stream: after the clone
+        staged = self.sink.writer.stage(rows)  # the sink's pinned memory (or None)
         with torch.cuda.stream(stream):
-            host = rows.to("cpu", non_blocking=True)
+            if staged is None:
+                host = rows.to("cpu", non_blocking=True)
+            else:
+                self.staged, host = staged
+                host.copy_(rows, non_blocking=True)
             self.rows_ready = torch.cuda.Event(blocking=True)
             self.rows_ready.record(stream)
         rows.record_stream(stream)  # the clone's block is not reused before the copy ran
         return host
 
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
+        failed: dict[str, dict[str, torch.Tensor]] = {}
+        handed = [0]  # bytes of the staging block handed to the writer as views
+        try:
+            keep = self._to_sink(failed, handed) if self.sink is not None else None
+            if keep is not None and not keep.any():
+                return failed  # every row went to the sink (a harvest's steps)
+            if self.rows_ready is not None:
+                self.rows_ready.synchronize()  # other requests' rows rode the sink's stream
+            return {**self._split(keep), **failed}
+        finally:
+            if self.staged is not None:  # the block goes back once the views are written
+                self.sink.writer.settle(self.staged, handed[0])
+                self.staged = None
+
+    def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:
+        """The rows `keep` marks (all: None), per request."""
         # Copies out of the pinned step buffer (a view would keep it from going back to
         # the caching host allocator) of the bytes returned only, in few large copies:
         # one per (site, output format) over the rows of its in-order groups, each
@@ -63,11 +86,6 @@ class CaptureStep(LabelledStep):
         # qk prefill step of 8 x 256 tokens cost 12 ms here, 67 MB moved for 8. And
         # per-group copies (or even per-group tensors from numpy) add up: a decode step
         # of 64 requests x 3 sites has 192 groups, and the H200 host was ~50 us per copy.
-        keep = self._to_sink() if self.sink is not None else None
-        if keep is not None and not keep.any():
-            return {}  # every row went to the sink (a harvest's steps)
-        if self.rows_ready is not None:
-            self.rows_ready.synchronize()  # other requests' rows rode the sink's stream
         labels, perm = self.sorted_labels(ORDER, keep)
         groups = list(self.spans(labels, perm, SLOT, SITE))
         by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
@@ -94,14 +112,17 @@ class CaptureStep(LabelledStep):
             out[req][positions_key(name)] = positions[g]
         return out
 
-    def _to_sink(self) -> np.ndarray:
+    def _to_sink(self, failed: dict, handed: list[int]) -> np.ndarray:
         """Sends the rows of sink entries to the sink in one hand-over: per site and format
         the runs of the buffer that hold them (a site's rows are one run in the usual
         step, the device writing them site-major), found with array operations over the
         step's labels, never per request (a decode step of 64 requests x 32 sites has
         2048 one-row groups). A request that lost rows this step gets the overflow
-        error and sends none of them. Returns which rows are left for the per-request
-        split."""
+        error and sends none of them. A writer that stopped (a full disk) fails the
+        step's sink requests, each with the cause in `failed`, never the engine.
+        `handed[0]` gets the bytes of the step copy handed over as views (a staging
+        block is freed once they are written). Returns which rows are left for the
+        per-request split."""
         tap = self.sink
         used = min(int(self.count[0]), self.rows.shape[0])
         if not used:
@@ -129,24 +150,32 @@ class CaptureStep(LabelledStep):
         if runs:  # one hand-over a step: per site and format the runs that hold it
             tokens = self.tokens.numpy()
             if all(len(spans) == 1 for spans in runs.values()):  # the usual: in order
-                sunk = keys >= 0
+                mask = keys >= 0
                 # a harvest's steps are all sink rows: slices, one copy each
-                at = slice(None) if sunk.all() else np.flatnonzero(sunk)
+                at = slice(None) if mask.all() else np.flatnonzero(mask)
             else:
                 at = np.concatenate([np.arange(a, b) for spans in runs.values()
                                      for a, b in spans])
-            # copies: the writer holds the labels long after the step buffer is reused
             ready = self.rows_ready
             if ready is not None and any(tap.formats[key % n_fmt] != self._native(
                     tap.formats[key % n_fmt]) for key in runs):
                 ready.synchronize()  # a format other than the buffer's is a copy made here
                 ready = None
-            tap.writer.put_runs(
-                tap.request_of[slot[at]], np.array(labels[at, POSITION], np.int64),
-                np.array(tokens[at], np.int64),
-                [(self.site_names[key // n_fmt], sum(b - a for a, b in spans),
-                  [self._sink_values(a, b, tap.formats[key % n_fmt])
-                   for a, b in spans]) for key, spans in runs.items()], ready)
+            sunk = [(self.site_names[key // n_fmt], sum(b - a for a, b in spans),
+                     [self._sink_values(a, b, tap.formats[key % n_fmt]) for a, b in spans])
+                    for key, spans in runs.items()]
+            try:  # label copies: the writer holds them long after the step's buffers
+                tap.writer.put_runs(
+                    tap.request_of[slot[at]], np.array(labels[at, POSITION], np.int64),
+                    np.array(tokens[at], np.int64), sunk, ready)
+                if self.staged is not None:  # views of the staging block, not casts
+                    storage = self.rows.untyped_storage().data_ptr()
+                    handed[0] = sum(c.numel() * c.element_size() for _, _, chunks in sunk
+                                    for c in chunks
+                                    if c.untyped_storage().data_ptr() == storage)
+            except SinkFailed as e:
+                for s in np.unique(slot[at]).tolist():
+                    failed[self.slot_to_req[s]] = {ERROR: error_tensor(str(e))}
         tap.done()
         return keys == NO_SINK
 

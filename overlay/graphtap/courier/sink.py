@@ -1,37 +1,33 @@
-"""The bulk sink's writer: labelled rows appended to sharded safetensors files by a thread
+"""The bulk sink's writer: labelled rows appended to sharded safetensors files by threads
 of their own, so a harvest's rows leave the engine core's thread as soon as they are
-handed over (issue 18). A second consumer of a step's host rows beside the per-request
-split: the capture family sends it the rows of entries marked `"sink": true`
-(engine/families/capture.py), which then never go back with their request.
+handed over (issue 18). The capture family sends it the rows of entries marked
+`"sink": true` (engine/families/capture.py), which never go back with their request.
 
 Layout under `root`: per site a folder (`blocks.12.hook_resid_post/`) of shards
 `shard-00000.safetensors`, each with `values` [rows, width] in the entry's dtype
 (bfloat16 stays bfloat16), `request` (an index into the requests of `index.json`),
-`position` and `token_id` (the input token at that position, read from the step's
-input ids on the device); `index.json` lists the requests and every shard written (rows,
-bytes): current whenever the writers are idle (and after sync/close), at most
-INDEX_EVERY_S stale while they write (rewriting it after every shard cost more than the
-shards once there were thousands). A position that ran twice (vLLM
-recomputes a preempted request) has two rows, the later one written later: `repeated`
-lists the requests that have such rows (keep the last row of a position, as the
-per-request path does). Shards are written under a temporary
-name and renamed, by `writers` threads at once (one thread's copies into the page cache
-were the limit of a harvest of every layer on the H200 host): a reader never sees half
-a shard, and index.json lists each site's shards in order. A shard holds one format
-(its dtype and row shape are in the index): two requests sinking one site in different
-dtypes or heads get shards of their own.
+`position` and `token_id` (the input token there, read on the device). `index.json`
+lists the requests and every shard (rows, bytes, dtype, row shape): current whenever
+the writers are idle (and after sync/close), at most INDEX_EVERY_S stale while they
+write (rewriting it per shard cost more than the shards once there were thousands).
+`repeated` lists the requests with a position written twice (courier/repeats.py).
+Shards are written under a temporary name and renamed, by `writers` threads at once
+(one thread's copies into the page cache were the limit on the H200 host): a reader
+never sees half a shard. A shard holds one format: two requests sinking one site in
+different dtypes or heads get shards of their own.
 
-A step's rows arrive in one hand-over (`put_runs`: every site's runs), on a GPU still
-on their way home on the sink's own copy stream: the writer waits for the copy's event
-before it writes them, so vLLM's sampled tokens never wait for a harvest's bytes.
+A step's rows arrive in one hand-over (`put_runs`: every site's runs); on a GPU they are
+still on their way home on the sink's own copy stream, into pinned staging memory
+(courier/staging.py): the writer waits for the copy's event before it writes them, so
+vLLM's sampled tokens never wait for a harvest's bytes.
 
 Memory is bounded: `put` blocks while the rows the writer holds, queued or gathered
 into shards not yet written, would pass `max_queued_bytes` (backpressure: the engine
 slows, nothing is dropped); one put larger than the bound alone still goes through.
-While a put waits the writer writes its largest open shard early, as a shorter one: a
-shard of every site open at once (32 layers x 65536 rows of 8 KiB) would hold 16 GiB,
-and a piece that is a view of a pinned step buffer holds that whole buffer. A failed write (a full disk) stops the writer
-and every later `put` raises SinkFailed with the cause: rows are never lost silently."""
+While a put waits the writer writes its largest open shard early, as a shorter one (a
+shard of every site open at once, 32 layers x 65536 rows of 8 KiB, would hold 16 GiB).
+A failed write (a full disk) stops the writer and every later `put` raises SinkFailed
+with the cause: rows are never lost silently."""
 from __future__ import annotations
 
 import json
@@ -45,10 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from graphtap.courier.repeats import Repeats
 from graphtap.courier.shardfile import write_pieces
+from graphtap.courier.staging import Staging
 
 INDEX = "index.json"
 INDEX_EVERY_S = 0.5
+STAGE_WAIT_S = 30.0  # the longest a step copy waits for staging memory
 
 
 class SinkFailed(RuntimeError):
@@ -59,10 +58,13 @@ class SinkWriter:
     """Rows in (`put`, any thread), sharded files out (its own thread)."""
 
     def __init__(self, root: str | Path, shard_rows: int = 1 << 16,
-                 max_queued_bytes: int = 256 << 20, writers: int = 4):
+                 max_queued_bytes: int = 256 << 20, writers: int = 4,
+                 staging: Staging | None = None):
         if shard_rows < 1 or max_queued_bytes < 1 or writers < 1:
             raise ValueError("sink: shard_rows, max_queued_bytes and writers must be at "
                              "least 1")
+        self.staging = staging  # pinned memory the step copies are cut from (GPU)
+        self.staged = self.unstaged = 0  # step copies into it, and those that fell back
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.shard_rows, self.max_queued_bytes = shard_rows, max_queued_bytes
@@ -80,13 +82,8 @@ class SinkWriter:
         self._open_rows: dict[str, int] = {}  # site -> rows in them
         self._count: dict[str, int] = {}  # site -> shards written
         self._shards: list[dict] = []
-        # per site and request index the last position written (-1: none yet); an array,
-        # checked a piece at a time (a dict looked up per request of every piece held
-        # the GIL the engine's thread needs)
-        self._through = np.full((0, 0), -1, np.int64)  # [site id, request]
-        self._site_ids: dict[str, int] = {}
         self._open_fmt: dict[str, tuple] = {}  # site -> its open shard's (dtype, shape)
-        self._repeated: set[int] = set()  # requests with a position written twice
+        self._repeats = Repeats()  # positions written twice (a preempted request)
         self._busy = False  # the thread holds a piece it has taken off the queue
         self._inflight = 0  # shards handed to the writers, not yet written
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="graphtap-sink-write")
@@ -97,6 +94,50 @@ class SinkWriter:
         self._thread.start()
 
     # ---------------------------------------------------------------- producer side
+    def stage(self, like: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """A block of the staging memory to copy a step's rows (`like`) into: (its
+        offset, a host tensor shaped like them), or None where torch's allocator takes
+        it: no staging, a copy over half of it (two steps must fit), a stopped writer,
+        or a full one that only steps not yet handed over hold (they free after this
+        one: waiting would never end). Waits while the writer will free a block (the
+        engine slows, as in put); settle() after the hand-over."""
+        staging = self.staging
+        nbytes = like.numel() * like.element_size()
+        if staging is None:
+            return None
+        if not 0 < nbytes <= staging.size // 2:
+            self.unstaged += 1
+            return None
+        with self._cv:
+            waited, t0 = False, time.monotonic()
+            try:
+                while self._error is None and not self._closing:
+                    offset = staging.take(nbytes)
+                    if offset is not None:
+                        self.staged += 1
+                        return offset, staging.view(offset, like)
+                    if not staging.freeable():
+                        break
+                    if waited and time.monotonic() - t0 > STAGE_WAIT_S:
+                        break  # never expected: torch's allocator is always safe
+                    waited = True
+                    self._waiting += 1
+                    self._cv.notify_all()  # the writer may have to write a shard early
+                    self._cv.wait(0.5)
+                    self._waiting -= 1
+                self.unstaged += 1
+                return None
+            finally:
+                self.waits += waited
+                self.wait_s += (time.monotonic() - t0) if waited else 0.0
+
+    def settle(self, offset: int, handed: int) -> None:
+        """The step that staged its rows at `offset` handed `handed` bytes of them to
+        the writer (views; 0: none): the block is freed once they are written."""
+        with self._cv:
+            if self.staging.settle(offset, handed):
+                self._cv.notify_all()
+
     def request_index(self, req_id: str) -> int:
         """The request's row in index.json (its rows' `request` value)."""
         with self._cv:
@@ -185,15 +226,26 @@ class SinkWriter:
             self._cv.notify_all()
         self._thread.join()
         self._pool.shutdown(wait=True)
+        if self.staging is not None and self.staging.idle():  # else a copy may target it
+            self.staging.close()
         if self._error is not None:
             raise SinkFailed(f"sink: the writer stopped: {self._error!r}")
         with self._index_lock:
             return self._write_index()
 
     def stats(self) -> dict:
-        """Backpressure so far (the engine's stats endpoint shows it per worker)."""
+        """Backpressure so far, and why the writer stopped if it did (the engine's stats
+        endpoint shows it per worker)."""
         return {"waits_total": self.waits, "wait_s_total": round(self.wait_s, 3),
-                "peak_held_bytes": self.peak_held, "held_bytes": self._held}
+                "peak_held_bytes": self.peak_held, "held_bytes": self._held,
+                "staging_bytes": 0 if self.staging is None else self.staging.size,
+                "staged_total": self.staged, "unstaged_total": self.unstaged,
+                "error": None if self._error is None else repr(self._error)}
+
+    def written(self) -> dict:
+        """The index of what is written so far, without writing index.json (a stopped
+        writer's, whose index write may be what failed)."""
+        return self._index()
 
     # ---------------------------------------------------------------- writer thread
     def _run(self) -> None:
@@ -234,7 +286,7 @@ class SinkWriter:
 
     def _take(self, piece) -> None:
         request, position, token, runs, ready = piece
-        self._note_repeats(request, position, runs)
+        self._repeats.note(request, position, runs)
         at = 0
         for site, count, chunks in runs:
             fmt = (chunks[0].dtype, tuple(chunks[0].shape[1:]))
@@ -248,30 +300,6 @@ class SinkWriter:
             self._open_rows[site] = self._open_rows.get(site, 0) + count
             while self._open_rows.get(site, 0) >= self.shard_rows:
                 self._flush(site, self.shard_rows)
-
-    def _note_repeats(self, request: np.ndarray, position: np.ndarray, runs) -> None:
-        """Requests with a position at or before one already written at the same site go
-        to `repeated` (a recomputation after preemption); one pass over the piece."""
-        sites = [self._site_ids.setdefault(site, len(self._site_ids)) for site, _, _ in runs]
-        site = np.repeat(np.asarray(sites, np.int64), [count for _, count, _ in runs])
-        seen = self._through
-        shape = (len(self._site_ids), int(request.max()) + 1)
-        if seen.shape[0] < shape[0] or seen.shape[1] < shape[1]:
-            grown = np.full((max(shape[0], 2 * seen.shape[0]), max(shape[1], 2 * seen.shape[1])),
-                            -1, np.int64)
-            grown[:seen.shape[0], :seen.shape[1]] = seen
-            self._through = seen = grown
-        key = site * seen.shape[1] + request
-        order = np.argsort(key, kind="stable")  # a site's requests come in runs
-        k, p = key[order], position[order]
-        starts = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1])))
-        ids = k[starts]
-        flat = seen.reshape(-1)
-        prev = flat[ids]
-        again = ids[(prev >= 0) & (np.minimum.reduceat(p, starts) <= prev)]
-        if len(again):
-            self._repeated.update((again % seen.shape[1]).tolist())
-        flat[ids] = np.maximum(prev, np.maximum.reduceat(p, starts))
 
     def _flush(self, site: str, rows: int | None = None) -> None:
         """Write the site's first `rows` pending rows (all: None) as its next shard."""
@@ -329,9 +357,16 @@ class SinkWriter:
         except BaseException as e:  # noqa: BLE001 - reported to every later put
             error = e
         written = 24 * len(position) + sum(c.numel() * c.element_size() for c in chunks)
+        staged = [(c.data_ptr(), c.numel() * c.element_size()) for c in chunks] \
+            if self.staging is not None else ()
         del request, position, token, chunks, ready  # a pinned step buffer goes back once its
         # last view is written
         with self._cv:  # 3 int64 labels a row and the values: what put counted
+            try:  # staging blocks go back once every byte handed over is written
+                for ptr, nbytes in staged:
+                    self.staging.release(ptr, nbytes)
+            except RuntimeError as e:  # its accounting broke: stop loudly, not hang
+                error = error or e
             self._held -= written
             self._inflight -= 1
             if error is not None and self._error is None:
@@ -344,7 +379,7 @@ class SinkWriter:
         with self._index_lock:  # each site's shards in order (writers finish in any)
             shards = sorted(self._shards, key=lambda s: s["file"])
         return {"graphtap_sink": 1, "requests": requests, "shards": shards,
-                "repeated": sorted(self._repeated)}
+                "repeated": sorted(self._repeats.requests)}
 
     def _write_index(self) -> dict:
         """Rewrites index.json; returns the index written."""

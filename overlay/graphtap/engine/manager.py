@@ -18,7 +18,8 @@ import graphtap.ops  # noqa: F401  registers the graph ops before any trace
 from graphtap.config import HookConfig, load_hook_config
 from graphtap.courier import StepSnapshots
 from graphtap.courier.held import Ending, StepBatch
-from graphtap.courier.sink import SinkWriter
+from graphtap.courier.sink import SinkFailed, SinkWriter
+from graphtap.courier.staging import Staging
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.families.mass import MassFamily
 from graphtap.engine.families.pattern import PatternFamily
@@ -82,7 +83,30 @@ def _sink(vllm_config, config):
     root = Path(config.sink_dir)
     if pc.data_parallel_size > 1:
         root = root / f"dp-{pc.data_parallel_rank}"
-    return SinkWriter(root, config.sink_shard_rows, config.sink_max_queued_bytes)
+    # on a GPU the step copies land in pinned memory reserved now, as large as the bound
+    staging = None
+    if torch.cuda.is_available():
+        try:
+            staging = Staging(config.sink_max_queued_bytes, pin=True)
+        except (RuntimeError, AttributeError) as e:  # torch's allocator still works
+            logger.warning("graphtap sink: no pinned staging memory (%s); step copies "
+                           "use torch's pinned allocator", e)
+    return SinkWriter(root, config.sink_shard_rows, config.sink_max_queued_bytes,
+                      staging=staging)
+
+
+def _pinned_stats() -> dict:
+    """torch's caching host allocator on a GPU worker: pinned blocks it had to create
+    and the time that took (a step copy that grows the pool waits for it)."""
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        h = torch.cuda.memory.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return {}
+    return {"pinned": {"host_alloc_total": h.get("num_host_alloc", 0),
+                       "host_alloc_us_total": h.get("host_alloc_time.total", 0),
+                       "bytes_peak": h.get("allocated_bytes.peak", 0)}}
 
 
 class EngineHooks(HookManager):
@@ -214,15 +238,22 @@ class EngineHooks(HookManager):
 
     def sink_sync(self) -> dict | None:
         """The sink's index once every row handed to it is on disk (None: this worker
-        writes none); graphtap harvest asks after each run of prompts."""
-        return None if self.sink is None else {"root": str(self.sink.root),
-                                                **self.sink.sync()}
+        writes none); graphtap harvest asks after each run of prompts. A writer that
+        stopped (a full disk) answers with its error beside the shards it wrote: an RPC
+        that raised here would reach the engine core, not the caller."""
+        if self.sink is None:
+            return None
+        try:
+            return {"root": str(self.sink.root), **self.sink.sync()}
+        except SinkFailed as e:
+            return {"root": str(self.sink.root), **self.sink.written(), "error": str(e)}
 
     def stats(self) -> dict:
         """Per family what it holds now; GET /v1/graphtap/stats shows it per worker."""
         return {**{family.name: family.stats() for family in self.families},
                 "guard": {"requests": len(self._guards)},
-                **({"sink": self.sink.stats()} if self.sink is not None else {})}
+                **({"sink": self.sink.stats()} if self.sink is not None else {}),
+                **_pinned_stats()}
 
     def collect(self, input_batch, dummy_run):
         if dummy_run:
