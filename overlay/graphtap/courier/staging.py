@@ -36,7 +36,8 @@ class Staging:
         self.base = self.buf.data_ptr()
         self.pinned = False
         if pin:
-            err = torch.cuda.cudart().cudaHostRegister(self.base, self.size, 0)
+            # 1: cudaHostRegisterPortable, as torch's own cuda/_pin_memory_utils.py
+            err = torch.cuda.cudart().cudaHostRegister(self.base, self.size, 1)
             if int(err) != 0:
                 raise RuntimeError(f"sink staging: cudaHostRegister of {self.size} bytes "
                                    f"failed ({err})")
