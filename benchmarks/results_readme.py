@@ -139,12 +139,13 @@ def _demo(group: dict) -> str:
 
 def _sink(group: dict) -> str:
     """Per file and load: the sink's rows and bytes, its rates over the run (the engine's
-    side) and including the wait for the writer afterwards (on disk), the machine's
+    side), including the wait for the writer afterwards (in the page cache) and then for
+    the disk (os.sync, where the run measured it), the machine's
     probes (median run of the repetitions after the first), and TPOT vs idle paired per
     request (pooled over every repetition)."""
     lines = ["| file | layers | load | rows / run | GB / run | rows/s (run) | GB/s (run) | "
-             "GB/s incl. writer | D2H probe | disk probe | TPOT vs idle | dump vs idle |",
-             "|---" * 12 + "|"]
+             "GB/s incl. writer | GB/s to disk | D2H probe | disk probe | TPOT vs idle | "
+             "dump vs idle |", "|---" * 13 + "|"]
     for name in group["files"]:
         d = json.loads((RESULTS / name).read_text())
         over = d.get("summary_overhead_vs_idle_pct", {})
@@ -158,11 +159,14 @@ def _sink(group: dict) -> str:
             med = sorted(runs, key=lambda r: r["sink_rows_per_s"])[len(runs) // 2]
             total = med["wall_s"] + med["sink_settle_s"]
             dump = over.get("dump", {}).get(load, {}).get("pooled")
+            # after the writer, os.sync (runs since session 17's last change)
+            disk = f"{med['sink_gb_per_s_disk']:.2f}" if "sink_gb_per_s_disk" in med else "–"
             lines.append(
                 f"| {name} | {layers} | {load.replace('burst', '')} at once | "
                 f"{med['sink_rows']:,} | {med['sink_bytes'] / 1e9:.2f} | "
                 f"{med['sink_rows_per_s']:,.0f} | {med['sink_gb_per_s']:.2f} | "
-                f"{med['sink_bytes'] / total / 1e9:.2f} | {link.get('d2h_gb_s', 0):.1f} | "
+                f"{med['sink_bytes'] / total / 1e9:.2f} | {disk} | "
+                f"{link.get('d2h_gb_s', 0):.1f} | "
                 f"{link.get('disk_write_gb_s', 0):.2f} | "
                 f"{over['sink'][load]['pooled']:+.1f} % | "
                 f"{'–' if dump is None else f'{dump:+.1f} %'} |")
