@@ -61,3 +61,18 @@ def _write_all(fd: int, buffers: list, writev=os.writev) -> None:
         while done >= len(views[0]):  # a short write: resume where it stopped
             done -= len(views.pop(0))
         views[0] = views[0][done:]
+
+
+def split_pieces(chunks: list[torch.Tensor], rows: int) -> tuple[list, list]:
+    """The pieces' first `rows` rows and the rest, as views (nothing copied): a shard
+    cut where it is full."""
+    head, at = [], 0
+    for i, c in enumerate(chunks):
+        if at + len(c) <= rows:
+            head.append(c)
+            at += len(c)
+            continue
+        if rows > at:
+            head.append(c[:rows - at])
+        return head, [c[rows - at:], *chunks[i + 1:]]
+    return head, []

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from graphtap.courier.repeats import Repeats
-from graphtap.courier.shardfile import write_pieces
+from graphtap.courier.shardfile import split_pieces, write_pieces
 from graphtap.courier.staging import Staging
 
 INDEX = "index.json"
@@ -313,7 +313,7 @@ class SinkWriter:
         # the latest copy event of the pieces (one stream: it implies the earlier ones)
         ready = next((p[4] for p in reversed(pending) if p[4] is not None), None)
         if rows is not None and rows < len(position):
-            chunks, rest = _cut(chunks, rows)
+            chunks, rest = split_pieces(chunks, rows)
             self._open[site] = [(request[rows:], position[rows:], token[rows:], rest, ready)]
             self._open_rows[site] = len(position) - rows
             self._open_fmt[site] = fmt
@@ -391,16 +391,3 @@ class SinkWriter:
         os.replace(tmp, self.root / INDEX)
         return index
 
-
-def _cut(chunks: list[torch.Tensor], rows: int) -> tuple[list, list]:
-    """The chunks' first `rows` rows and the rest, as views (nothing copied)."""
-    head, at = [], 0
-    for i, c in enumerate(chunks):
-        if at + len(c) <= rows:
-            head.append(c)
-            at += len(c)
-            continue
-        if rows > at:
-            head.append(c[:rows - at])
-        return head, [c[rows - at:], *chunks[i + 1:]]
-    return head, []

@@ -19,6 +19,8 @@ ALIGN = 1 << 12  # blocks start on a page: any dtype views them, DMA likes them
 
 @dataclass
 class Block:
+    """A live block: its size, and how many of its bytes the writer has to write."""
+
     size: int
     handed: int | None = None  # bytes handed to the writer (None: the step has not said)
     written: int = 0  # of those, bytes written and released

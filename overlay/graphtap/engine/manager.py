@@ -85,7 +85,7 @@ def _sink(vllm_config, config):
         root = root / f"dp-{pc.data_parallel_rank}"
     # on a GPU the step copies land in pinned memory reserved now, as large as the bound
     staging = None
-    if torch.cuda.is_available():
+    if vllm_config.device_config.device_type == "cuda":
         try:
             staging = Staging(config.sink_max_queued_bytes, pin=True)
         except (RuntimeError, AttributeError) as e:  # torch's allocator still works
@@ -98,7 +98,7 @@ def _sink(vllm_config, config):
 def _pinned_stats() -> dict:
     """torch's caching host allocator on a GPU worker: pinned blocks it had to create
     and the time that took (a step copy that grows the pool waits for it)."""
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_initialized():  # a CPU worker (never initialise CUDA here)
         return {}
     try:
         h = torch.cuda.memory.host_memory_stats()
