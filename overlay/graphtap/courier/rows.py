@@ -62,10 +62,9 @@ class CaptureStep(LabelledStep):
         return host
 
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
-        failed: dict[str, dict[str, torch.Tensor]] = {}
-        handed = [0]  # bytes of the staging block handed to the writer as views
+        handed = 0  # bytes of a staging block handed to the writer as views
         try:
-            keep = self._to_sink(failed, handed) if self.sink is not None else None
+            keep, failed, handed = self._to_sink() if self.sink is not None else (None, {}, 0)
             if keep is not None and not keep.any():
                 return failed  # every row went to the sink (a harvest's steps)
             if self.rows_ready is not None:
@@ -73,7 +72,7 @@ class CaptureStep(LabelledStep):
             return {**self._split(keep), **failed}
         finally:
             if self.staged is not None:  # the block goes back once the views are written
-                self.sink.writer.settle(self.staged, handed[0])
+                self.sink.writer.settle(self.staged, handed)
                 self.staged = None
 
     def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:
@@ -112,22 +111,23 @@ class CaptureStep(LabelledStep):
             out[req][positions_key(name)] = positions[g]
         return out
 
-    def _to_sink(self, failed: dict, handed: list[int]) -> np.ndarray:
+    def _to_sink(self) -> tuple[np.ndarray, dict, int]:
         """Sends the rows of sink entries to the sink in one hand-over: per site and format
         the runs of the buffer that hold them (a site's rows are one run in the usual
         step, the device writing them site-major), found with array operations over the
         step's labels, never per request (a decode step of 64 requests x 32 sites has
         2048 one-row groups). A request that lost rows this step gets the overflow
-        error and sends none of them. A writer that stopped (a full disk) fails the
-        step's sink requests, each with the cause in `failed`, never the engine.
-        `handed[0]` gets the bytes of the step copy handed over as views (a staging
-        block is freed once they are written). Returns which rows are left for the
-        per-request split."""
+        error and sends none of them. Returns which rows are left for the per-request
+        split; the step's sink requests failed by a writer that stopped (a full disk:
+        each gets the cause, the engine goes on); and the bytes of the step copy handed
+        over as views (a staging block is freed once they are written)."""
         tap = self.sink
+        failed: dict[str, dict[str, torch.Tensor]] = {}
+        handed = 0
         used = min(int(self.count[0]), self.rows.shape[0])
         if not used:
             tap.done()
-            return np.zeros(0, dtype=bool)
+            return np.zeros(0, dtype=bool), failed, handed
         labels = self.labels[:used].numpy()
         slot, site = labels[:, SLOT], labels[:, SITE]
         # per row a run key: site x formats + format id for sink rows, else NO_SINK; from
@@ -170,14 +170,14 @@ class CaptureStep(LabelledStep):
                     np.array(tokens[at], np.int64), sunk, ready)
                 if self.staged is not None:  # views of the staging block, not casts
                     storage = self.rows.untyped_storage().data_ptr()
-                    handed[0] = sum(c.numel() * c.element_size() for _, _, chunks in sunk
-                                    for c in chunks
-                                    if c.untyped_storage().data_ptr() == storage)
+                    handed = sum(c.numel() * c.element_size() for _, _, chunks in sunk
+                                 for c in chunks
+                                 if c.untyped_storage().data_ptr() == storage)
             except SinkFailed as e:
                 for s in np.unique(slot[at]).tolist():
                     failed[self.slot_to_req[s]] = {ERROR: error_tensor(str(e))}
         tap.done()
-        return keys == NO_SINK
+        return keys == NO_SINK, failed, handed
 
     def _sink_values(self, start: int, end: int, fmt: RowFormat) -> torch.Tensor:
         """A run of sink rows in its format: in the buffer's dtype and width, a view of the

@@ -121,15 +121,20 @@ class SinkWriter:
                     if waited and time.monotonic() - t0 > STAGE_WAIT_S:
                         break  # never expected: torch's allocator is always safe
                     waited = True
-                    self._waiting += 1
-                    self._cv.notify_all()  # the writer may have to write a shard early
-                    self._cv.wait(0.5)
-                    self._waiting -= 1
+                    self._await_room(0.5)
                 self.unstaged += 1
                 return None
             finally:
                 self.waits += waited
                 self.wait_s += (time.monotonic() - t0) if waited else 0.0
+
+    def _await_room(self, timeout: float | None = None) -> None:
+        """Waits (holding self._cv) for the writer to free memory, telling it that a
+        producer waits: with nothing being written it writes its largest shard early."""
+        self._waiting += 1
+        self._cv.notify_all()
+        self._cv.wait(timeout)
+        self._waiting -= 1
 
     def settle(self, offset: int, handed: int) -> None:
         """The step that staged its rows at `offset` handed `handed` bytes of them to
@@ -182,10 +187,7 @@ class SinkWriter:
             while (self._error is None and self._held
                    and self._held + size > self.max_queued_bytes):
                 waited = True
-                self._waiting += 1
-                self._cv.notify_all()  # the writer may have to write a shard early
-                self._cv.wait()  # backpressure: the writer frees room as it writes
-                self._waiting -= 1
+                self._await_room()  # backpressure: the writer frees room as it writes
             self.waits += waited
             self.wait_s += (time.monotonic() - t0) if waited else 0.0
             if self._error is not None:
@@ -241,11 +243,6 @@ class SinkWriter:
                 "staging_bytes": 0 if self.staging is None else self.staging.size,
                 "staged_total": self.staged, "unstaged_total": self.unstaged,
                 "error": None if self._error is None else repr(self._error)}
-
-    def written(self) -> dict:
-        """The index of what is written so far, without writing index.json (a stopped
-        writer's, whose index write may be what failed)."""
-        return self._index()
 
     # ---------------------------------------------------------------- writer thread
     def _run(self) -> None:
@@ -373,7 +370,9 @@ class SinkWriter:
                 self._error = error
             self._cv.notify_all()
 
-    def _index(self) -> dict:
+    def written(self) -> dict:
+        """The index of what is written so far, without writing index.json (also a
+        stopped writer's, whose index write may be what failed)."""
         with self._cv:
             requests = sorted(self._requests, key=self._requests.get)
         with self._index_lock:  # each site's shards in order (writers finish in any)
@@ -385,7 +384,7 @@ class SinkWriter:
         """Rewrites index.json; returns the index written."""
         self._index_at = time.monotonic()
         self.index_writes += 1
-        index = self._index()
+        index = self.written()
         tmp = self.root / f".{INDEX}.tmp"
         tmp.write_text(json.dumps(index, indent=1))
         os.replace(tmp, self.root / INDEX)
