@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.gpu.capture_report import merged, overheads, render, verdict
+from benchmarks.gpu.tpot_stats import ttft_by_position
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -140,41 +141,77 @@ def _demo(group: dict) -> str:
 def _sink(group: dict) -> str:
     """Per file and load: the sink's rows and bytes, its rates over the run (the engine's
     side), including the wait for the writer afterwards (in the page cache) and then for
-    the disk (os.sync, where the run measured it), the machine's
-    probes (median run of the repetitions after the first), and TPOT vs idle paired per
-    request (pooled over every repetition)."""
-    lines = ["| file | layers | load | rows / run | GB / run | rows/s (run) | GB/s (run) | "
-             "GB/s incl. writer | GB/s to disk | D2H probe | disk probe | TPOT vs idle | "
-             "dump vs idle |", "|---" * 13 + "|"]
+    the disk (os.sync, where the run measured it), the machine's probes (median run of the
+    repetitions), and TPOT vs idle paired per request (pooled over every repetition).
+    Before the staging memory (runs without its counter) the first repetition is left
+    out: the host's pinned pool grew during it."""
+    lines = ["| file | sites / token | in / out | load | rows / run | GB / run | rows/s (run) | "
+             "GB/s (run) | % of D2H | GB/s incl. writer | GB/s to disk | D2H probe | "
+             "disk probe | TPOT vs idle | dump vs idle |", "|---" * 15 + "|"]
     for name in group["files"]:
         d = json.loads((RESULTS / name).read_text())
         over = d.get("summary_overhead_vs_idle_pct", {})
         link = d.get("link", {})
-        layers = group["layers"][name]  # the launch's --sink-layers, as a count
+        sites = group["layers"][name]  # the launch's --sink-layers, as sites per token
+        staged = any("sink.staged_total" in r.get("hook_counters", {}) for r in d["runs"])
         by_load: dict[str, list] = {}
         for r in d["runs"]:
-            if r["mode"] == "sink" and r["rep"] > 0:  # rep 0: the host's pinned pool grows
+            if r["mode"] == "sink" and (staged or r["rep"] > 0):
                 by_load.setdefault(str(r["rate"]), []).append(r)
         for load, runs in by_load.items():
             med = sorted(runs, key=lambda r: r["sink_rows_per_s"])[len(runs) // 2]
             total = med["wall_s"] + med["sink_settle_s"]
             dump = over.get("dump", {}).get(load, {}).get("pooled")
+            d2h = link.get("d2h_gb_s", 0)
             # after the writer, os.sync (runs since session 17's last change)
             disk = f"{med['sink_gb_per_s_disk']:.2f}" if "sink_gb_per_s_disk" in med else "–"
             lines.append(
-                f"| {name} | {layers} | {load.replace('burst', '')} at once | "
+                f"| {name} | {sites} | {d['input_len']} / {d['output_len']} | "
+                f"{load.replace('burst', '')} at once | "
                 f"{med['sink_rows']:,} | {med['sink_bytes'] / 1e9:.2f} | "
                 f"{med['sink_rows_per_s']:,.0f} | {med['sink_gb_per_s']:.2f} | "
-                f"{med['sink_bytes'] / total / 1e9:.2f} | {disk} | "
-                f"{link.get('d2h_gb_s', 0):.1f} | "
+                f"{med['sink_gb_per_s'] / d2h:.0%} | "
+                f"{med['sink_bytes'] / total / 1e9:.2f} | {disk} | {d2h:.1f} | "
                 f"{link.get('disk_write_gb_s', 0):.2f} | "
                 f"{over['sink'][load]['pooled']:+.1f} % | "
                 f"{'–' if dump is None else f'{dump:+.1f} %'} |")
     return "\n".join(lines) + "\n"
 
 
-RENDER = {"sink": _sink, "demo": _demo, "check": _check, "tpot": _tpot, "capture": _capture, "profile": _profile,
-          "soak": _soak, "kernels": _kernels}
+def _sink_check(group: dict) -> str:
+    d = json.loads((RESULTS / group["files"][0]).read_text())
+    checks, stats = d["checks"], d["stats"]
+    rows = [("verdict", "ok" if d["ok"] else "FAILED"), ("errors", len(d["errors"])),
+            ("(request, site) checks, float32 and model dtype", len(checks)),
+            ("every sunk position there once, in order",
+             all(c["complete_once_in_order"] for c in checks)),
+            ("rows equal to per-request captures",
+             f"{sum(c['rows_equal'] for c in checks)} / {sum(c['rows'] for c in checks)}"),
+            ("worst max rel vs per-request", d["worst_max_rel"]),
+            ("non-finite values", sum(c["nonfinite"] for c in checks)),
+            ("shards", d["shards"]), ("repeated positions", len(d["repeated"])),
+            ("step copies into the staging memory / outside it",
+             f"{stats['staged_total']} / {stats['unstaged_total']}")]
+    return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+
+
+def _ttft(group: dict) -> str:
+    """Per file, load and mode: TTFT of bursts (tpot_stats.ttft_by_position)."""
+    lines = ["| file | load | mode | reps | TTFT median (ms) | vs idle, paired by position "
+             "(ms) | ms per admitted request |", "|---" * 7 + "|"]
+    for name in group["files"]:
+        d = json.loads((RESULTS / name).read_text())
+        for load, modes in ttft_by_position(d["runs"]).items():
+            for mode, f in modes.items():
+                paired = "–" if mode == "idle" else f"{f['paired_ms']:+.1f}"
+                lines.append(f"| {name} | {load.replace('burst', '')} at once | {mode} | "
+                             f"{f['reps']} | {f['median_ms']:.1f} | {paired} | "
+                             f"{f['slope_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+RENDER = {"sink": _sink, "sink-check": _sink_check, "ttft": _ttft, "demo": _demo, "check": _check, "tpot": _tpot,
+          "capture": _capture, "profile": _profile, "soak": _soak, "kernels": _kernels}
 
 
 def readme() -> str:

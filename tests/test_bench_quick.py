@@ -79,6 +79,27 @@ def test_paired_overheads():
     assert cell == paired_overheads(runs, ci=True)["hs"]["8"]
 
 
+def test_ttft_by_position():
+    """Burst TTFTs: a mode's added latency paired by admission position, and what each
+    admitted request adds (the slope), per load; Poisson runs are left out."""
+    from benchmarks.gpu.tpot_stats import ttft_by_position
+
+    runs = [{"mode": "idle", "rate": "burst4", "rep": r, "ttft_ms_by_request":
+             [10.0 + 3 * i + r for i in range(4)]} for r in range(3)]
+    runs += [{"mode": "qk", "rate": "burst4", "rep": r, "ttft_ms_by_request":
+              [50.0 + 3.5 * i + r for i in range(4)]} for r in range(3)]
+    runs += [{"mode": "qk", "rate": 8.0, "rep": 0, "ttft_ms_by_request": [1.0, 2.0]},
+             {"mode": "qk", "rate": "burst2", "rep": 0, "ttft_ms_by_request": [1.0, None]}]
+    out = ttft_by_position(runs)
+    assert set(out) == {"burst4", "burst2"}
+    qk, idle = out["burst4"]["qk"], out["burst4"]["idle"]
+    assert qk["reps"] == 3 and qk["median_ms"] == 56.25 and idle["paired_ms"] == 0.0
+    assert qk["paired_ms"] == 40.75  # 40 + 0.5 i over i = 0..3, median of 12
+    assert abs(qk["slope_ms"] - 3.5) < 1e-9 and abs(idle["slope_ms"] - 3.0) < 1e-9
+    # no idle burst of that size, and a request without a token: no pairs, no slope
+    assert out["burst2"]["qk"]["paired_ms"] is None and out["burst2"]["qk"]["slope_ms"] is None
+
+
 def test_bootstrap_ci_resamples_repetitions():
     """One repetition gives no interval; repetitions that disagree give a wide one."""
     from benchmarks.gpu.tpot_stats import bootstrap_ci

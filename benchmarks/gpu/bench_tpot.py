@@ -1,20 +1,19 @@
 #!/usr/bin/env python3
 """End-to-end TPOT of stock vLLM vs graphtap (idle and steering), Poisson arrivals.
 
-One engine launch per (model, variant): `--variant stock` runs vLLM without a hook
-manager (on the GPU host: the stock wheel), `--variant graphtap` runs the patched wheel
-with hook_manager="graphtap" and one configured site (blocks.{L/2}.hook_resid_post); its
-modes alternate inside that launch, so they share compile artifacts, graphs and memory
-layout and differ only in table contents: idle (no hooks), steer (every request adds a
-vector at that site, all positions), hs (hidden states at 3 layers, last prompt token),
-qk (post-RoPE q at the last prompt token and k at every prompt token, 4 layers x 4
-heads), mixed (all of them), dump (residuals at the hs layers at every position: the
-capture-throughput load, rows and bytes counted per run), sink (dump's rows sent to the
-engine's bulk sink, hook_config.sink_dir: rows and bytes on disk per run, and the
-machine's device-to-host and disk write speeds measured first), focus (attention mass on two
-spans at the last prompt token, 4 layers x 4 heads, read by an annotating Attention
-Tracker guard), probe (one probe on one layer at every generated token, read by a probe
-guard). The configured sites are the union of the modes asked for.
+One engine launch per (model, variant): `--variant stock` runs vLLM without a hook manager
+(on the GPU host: the stock wheel), `--variant graphtap` runs the patched wheel with
+hook_manager="graphtap" and one configured site (blocks.{L/2}.hook_resid_post); its modes
+alternate inside that launch, so they share compile artifacts, graphs and memory layout and
+differ only in table contents: idle (no hooks), steer (every request adds a vector at that
+site, all positions), hs (hidden states at 3 layers, last prompt token), qk (post-RoPE q at
+the last prompt token and k at every prompt token, 4 layers x 4 heads), mixed (all of
+them), dump (residuals at the hs layers at every position: the capture-throughput load,
+rows and bytes counted per run), sink (dump's rows sent to the engine's bulk sink,
+hook_config.sink_dir: rows and bytes on disk per run, and the machine's device-to-host and
+disk write speeds measured first), focus (attention mass on two spans at the last prompt
+token, 4 layers x 4 heads, read by an Attention Tracker guard), probe (one probe on one
+layer at every generated token, read by a probe guard). Configured: the modes' sites.
 
 Per (rate, repetition): N requests of IN prompt tokens and OUT output tokens
 (ignore_eos), arrivals Poisson at `rate` req/s, in-process AsyncLLM; a request's TPOT is
@@ -25,8 +24,7 @@ mode always follows dump), so a mode's overhead vs idle is measured paired: per 
 its TPOT in that mode over its TPOT in idle (`summary_overhead_vs_idle_pct`: median of
 those ratios per repetition, and pooled over repetitions). After the warm-up the process's
 GC heap is frozen, as `vllm serve` does; each run records the collector's pauses.
-Results: JSON per launch, then `--report` merges them into a markdown table of overhead
-vs stock.
+Results: JSON per launch; `--report` merges them into tpot.md (overhead vs stock).
 
   GPU:  python -m benchmarks.gpu.bench_tpot --model llama3-8b --variant stock --out benchmarks/results
   CPU:  python -m benchmarks.gpu.bench_tpot --quick --variant graphtap   (tiny model, CI smoke; no speed claims)
@@ -149,7 +147,8 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
     by_request = [(t[-1] - t[0]) / (len(t) - 1) * 1000 if len(t) > 1 else None
                   for t in all_times]  # request i: same arrival and prompt in every mode
     tpots = [t for t in by_request if t is not None]
-    ttfts = [(t[0] - t0 - s) * 1000 for t, s in zip(all_times, starts) if t]
+    ttft_by_request = [(t[0] - t0 - s) * 1000 if t else None for t, s in zip(all_times, starts)]
+    ttfts = [t for t in ttft_by_request if t is not None]
     return {"rate": f"burst{burst}" if burst else rate, "rep": rep, "requests": n,
             "tpot_ms_median": statistics.median(tpots),
             "tpot_ms_p90": float(np.percentile(tpots, 90)), "ttft_ms_median": statistics.median(ttfts),
@@ -158,6 +157,8 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
             # a capturing request with no rows and no error would be a silent loss
             "rows_per_request_min": min(per_request), "rows_per_request_max": max(per_request),
             "tpot_ms_by_request": by_request,
+            # request i is admitted i-th in every mode's burst: TTFTs compare by position
+            "ttft_ms_by_request": ttft_by_request,
             "tpot_engine_ms_by_request": by_request_engine,
             "tpot_engine_ms_median": statistics.median(e) if (e := [
                 t for t in by_request_engine if t is not None]) else None,
@@ -351,8 +352,8 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
                          "focus (Attention Tracker guard), probe (probe guard)")
     ap.add_argument("--burst-modes", default="",
                     help="modes run only at the bursts (e.g. dump: the throughput load)")
-    ap.add_argument("--sink-layers", choices=["hs", "all"], default="hs",
-                    help="the sink mode's residual layers: dump's 3, or every layer")
+    ap.add_argument("--sink-layers", choices=["hs", "all", "streams"], default="hs",
+                    help="the sink mode's sites (workloads.sink_sites)")
     ap.add_argument("--sink-queue-gb", type=float, default=0,
                     help="the sink's bound on queued rows (default: the engine's 256 MiB); "
                          "larger: the engine runs ahead of the disk into host memory")

@@ -34,7 +34,7 @@ STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
 
 
 def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: float = 4.0):
-    """`sink`: the sink mode's layers (workloads.sink_layers), None: no sink mode;
+    """`sink`: the sink mode's layers (workloads.sink_sites), None: no sink mode;
     `sink_gb`: its memory bound."""
     from vllm import LLM
 
@@ -228,8 +228,8 @@ def main() -> int:
     ap.add_argument("--cprofile", action="store_true",
                     help="also one run per mode under cProfile: its top Python functions by "
                          "own time (host time outside torch ops: the engine's own Python)")
-    ap.add_argument("--sink-layers", choices=["hs", "all"], default="all",
-                    help="the sink mode's residual layers: dump's 3, or every layer")
+    ap.add_argument("--sink-layers", choices=["hs", "all", "streams"], default="all",
+                    help="the sink mode's sites (workloads.sink_sites)")
     ap.add_argument("--sink-queue-gb", type=float, default=4.0,
                     help="the sink's memory bound (graphtap harvest's default: 4 GiB)")
     args = ap.parse_args()

@@ -1,9 +1,12 @@
 """Figures of bench_tpot.py runs: median TPOT per mode and load, and each mode's overhead
-vs idle paired per request (shared by bench_tpot.py and capture_report.py)."""
+vs idle paired per request (shared by bench_tpot.py and capture_report.py), and the TTFT
+of bursts by admission position."""
 from __future__ import annotations
 
 import random
 import statistics
+
+import numpy as np
 
 
 def summarise(result: dict, ci: bool = False) -> None:
@@ -72,3 +75,32 @@ def bootstrap_ci(by_rep: list[list[float]], n: int = 1000, seed: int = 0) -> lis
                            for x in by_rep[i]])
         for _ in range(n))
     return [_pct(medians[int(0.025 * n)]), _pct(medians[int(0.975 * n) - 1])]
+
+
+def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
+    """TTFT of bursts (every request at once) per load and mode against `base`, from each
+    run's ttft_ms_by_request. A burst's requests are admitted in order, so TTFT grows
+    with the position (the engine takes requests as they arrive): `slope_ms`, the median
+    over repetitions of a least-squares fit per run, is the time each request adds, the
+    per-request admission cost included; `paired_ms`, request i's TTFT in the mode
+    minus request i's in `base` in the same repetition, median over positions and
+    repetitions, is the mode's added latency at equal position; `median_ms` is the
+    median of the runs' medians."""
+    by: dict[tuple[str, str], dict[int, list[float]]] = {}
+    for r in runs:
+        if str(r["rate"]).startswith("burst") and r.get("ttft_ms_by_request"):
+            by.setdefault((str(r["rate"]), r["mode"]), {})[r["rep"]] = r["ttft_ms_by_request"]
+    out: dict[str, dict[str, dict]] = {}
+    for (load, mode), reps in sorted(by.items()):
+        ref = by.get((load, base), {})
+        paired = [a - b for rep, t in reps.items() if rep in ref
+                  for a, b in zip(t, ref[rep]) if a is not None and b is not None]
+        slopes = [float(np.polyfit(np.arange(len(t)), t, 1)[0]) for t in reps.values()
+                  if None not in t and len(t) > 1]
+        out.setdefault(load, {})[mode] = {
+            "reps": len(reps),
+            "median_ms": statistics.median(statistics.median(x for x in t if x is not None)
+                                           for t in reps.values()),
+            "paired_ms": statistics.median(paired) if paired else None,
+            "slope_ms": statistics.median(slopes) if slopes else None}
+    return out

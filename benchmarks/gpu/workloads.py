@@ -43,8 +43,8 @@ def hook_config(cfg: dict, modes: list[str], sink: str = "hs") -> dict:
         sites += [f"blocks.{layer}.hook_resid_post" for layer in hs_layers(cfg)]
     per_token = 3  # dump's rows per token
     if "sink" in modes:
-        sites += [f"blocks.{layer}.hook_resid_post" for layer in sink_layers(cfg, sink)]
-        per_token = max(per_token, len(sink_layers(cfg, sink)))
+        sites += sink_sites(cfg, sink)
+        per_token = max(per_token, len(sink_sites(cfg, sink)))
     if {"qk", "mixed"} & set(modes):
         sites += [f"blocks.{layer}.attn.hook_{k}" for layer in qk_layers(cfg) for k in "qk"]
     if "focus" in modes:  # attention mass is computed at pattern sites
@@ -67,10 +67,16 @@ def hs_layers(cfg: dict) -> list[int]:  # hallucination-probe style: 3 layers, l
     return [n // 4, n // 2, 3 * n // 4]
 
 
-def sink_layers(cfg: dict, which: str) -> list[int]:
-    """The sink mode's layers: dump's three ("hs"), or every layer ("all": a harvest of
-    the whole residual stream, rows per token = layers)."""
-    return hs_layers(cfg) if which == "hs" else list(range(cfg["num_hidden_layers"]))
+def sink_sites(cfg: dict, which: str) -> list[str]:
+    """The sink mode's sites: resid_post at dump's three layers ("hs"), or at every layer
+    ("all": a harvest of the whole residual stream, rows per token = layers), or
+    resid_mid and resid_post at every layer ("streams": twice the rows per token, the
+    most one request may capture being 64 sites; a load whose rows come faster than the
+    model makes them at one site per layer, to find the sink's own limit against the
+    D2H link)."""
+    layers = hs_layers(cfg) if which == "hs" else range(cfg["num_hidden_layers"])
+    kinds = ("mid", "post") if which == "streams" else ("post",)
+    return [f"blocks.{layer}.hook_resid_{k}" for layer in layers for k in kinds]
 
 
 def qk_layers(cfg: dict) -> list[int]:  # Attention-Tracker style: 4 layers x 4 heads
@@ -108,8 +114,8 @@ def mode_hooks(mode: str, cfg: dict, vec, prompt_len: int = 256,
             "hs": {"capture": hs},
             "qk": {"capture": qk}, "mixed": {"steer": steer, "capture": hs + qk},
             "dump": {"capture": dump}, "focus": focus, "probe": probe,
-            "sink": {"capture": [{"site": f"blocks.{layer}.hook_resid_post", "positions": "all",
-                                  "sink": True} for layer in sink_layers(cfg, sink)]}}[mode]
+            "sink": {"capture": [{"site": site, "positions": "all", "sink": True}
+                                 for site in sink_sites(cfg, sink)]}}[mode]
 
 
 def sink_totals(root: str | None) -> tuple[int, int]:
