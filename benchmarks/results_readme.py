@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.gpu.capture_report import merged, overheads, render, verdict
-from benchmarks.gpu.tpot_stats import ttft_by_position
+from benchmarks.gpu.tpot_stats import PHASES, ttft_by_position
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -198,15 +198,18 @@ def _sink_check(group: dict) -> str:
 def _ttft(group: dict) -> str:
     """Per file, load and mode: TTFT of bursts (tpot_stats.ttft_by_position)."""
     lines = ["| file | load | mode | reps | TTFT median (ms) | vs idle, paired by position "
-             "(ms) | ms per admitted request |", "|---" * 7 + "|"]
+             "(ms) | ms per admitted request | admit / queue / prefill / deliver (ms) |",
+             "|---" * 8 + "|"]
     for name in group["files"]:
         d = json.loads((RESULTS / name).read_text())
         for load, modes in ttft_by_position(d["runs"]).items():
             for mode, f in modes.items():
                 paired = "–" if mode == "idle" else f"{f['paired_ms']:+.1f}"
+                ph = f["phases_ms"]  # recorded since the end of session 18
+                phases = "–" if ph is None else " / ".join(f"{ph[k]:.1f}" for k in PHASES)
                 lines.append(f"| {name} | {load.replace('burst', '')} at once | {mode} | "
                              f"{f['reps']} | {f['median_ms']:.1f} | {paired} | "
-                             f"{f['slope_ms']:.2f} |")
+                             f"{f['slope_ms']:.2f} | {phases} |")
     return "\n".join(lines) + "\n"
 
 

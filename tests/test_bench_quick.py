@@ -98,6 +98,26 @@ def test_ttft_by_position():
     assert abs(qk["slope_ms"] - 3.5) < 1e-9 and abs(idle["slope_ms"] - 3.0) < 1e-9
     # no idle burst of that size, and a request without a token: no pairs, no slope
     assert out["burst2"]["qk"]["paired_ms"] is None and out["burst2"]["qk"]["slope_ms"] is None
+    assert qk["phases_ms"] is None  # runs from before the phases were recorded
+    runs[3]["ttft_phases_ms_by_request"] = [None, {"admit": 1.0, "queue": 2.0, "prefill": 30.0,
+                                                   "deliver": 4.0}] * 2
+    assert ttft_by_position(runs)["burst4"]["qk"]["phases_ms"] == {
+        "admit": 1.0, "queue": 2.0, "prefill": 30.0, "deliver": 4.0}
+
+
+def test_ttft_phases_split_ttft_on_one_clock():
+    """A request's TTFT in phases from the engine core's event timestamps (monotonic) and
+    the client's own start and first-token times; no events (stats off): None."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu.tpot_stats import ttft_phases
+
+    m = SimpleNamespace(queued_ts=10.002, scheduled_ts=10.010, first_token_ts=10.050)
+    out = SimpleNamespace(metrics=m)
+    assert ttft_phases(out, 10.0, 10.0515) == {"admit": 2.0, "queue": 8.0, "prefill": 40.0,
+                                               "deliver": 1.5}
+    assert ttft_phases(SimpleNamespace(metrics=None), 10.0, 10.1) is None
+    assert ttft_phases(SimpleNamespace(metrics=SimpleNamespace(queued_ts=0.0)), 1, 2) is None
 
 
 def test_bootstrap_ci_resamples_repetitions():

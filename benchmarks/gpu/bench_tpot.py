@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu.tpot_stats import summarise
+from benchmarks.gpu.tpot_stats import engine_tpot_ms, summarise, ttft_phases
 from benchmarks.gpu.workloads import (ARCHS, count_rows, hook_config, link_probe, mode_hooks,
                                       model_dir, sink_totals, steer_vector)
 
@@ -93,25 +93,16 @@ async def one_request(engine, rid: str, ids: list[int], params, start_at: float,
     from vllm.inputs import TokensPrompt
 
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
-    times, last = [], None
+    times, last, start, first = [], None, time.monotonic(), 0.0  # the engine core's clock
     async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
         n = len(out.outputs[0].token_ids)
         now = time.perf_counter()
+        if not times:
+            first = time.monotonic()
         times.extend([now] * (n - len(times)))
         last = out
-    return times, count_rows(getattr(last, "hooks", None)), engine_tpot_ms(last)
-
-
-def engine_tpot_ms(out) -> float | None:
-    """TPOT on the engine core's clock: its outputs' timestamps of the first and the last
-    token (RequestOutput.metrics, with stats logging on), so the frontend's own delays (this
-    process's event loop, output handling) are left out: the control for the frontend
-    figure when the two disagree."""
-    m = getattr(out, "metrics", None) if out is not None else None
-    n = len(out.outputs[0].token_ids) if out is not None else 0
-    if m is None or n < 2 or not getattr(m, "first_token_ts", 0):
-        return None
-    return (m.last_token_ts - m.first_token_ts) / (n - 1) * 1000
+    return (times, count_rows(getattr(last, "hooks", None)), engine_tpot_ms(last),
+            ttft_phases(last, start, first) if times else None)
 
 
 async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int = 0,
@@ -140,10 +131,9 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
     with pauses:
         results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
-    all_times = [t for t, _, _ in results]
-    rows, nbytes, failed = (sum(c[i] for _, c, _ in results) for i in range(3))
-    per_request = [c[0] for _, c, _ in results]
-    by_request_engine = [e for _, _, e in results]
+    all_times, counts, by_request_engine, phases = (list(x) for x in zip(*results))
+    rows, nbytes, failed = (sum(c[i] for c in counts) for i in range(3))
+    per_request = [c[0] for c in counts]
     by_request = [(t[-1] - t[0]) / (len(t) - 1) * 1000 if len(t) > 1 else None
                   for t in all_times]  # request i: same arrival and prompt in every mode
     tpots = [t for t in by_request if t is not None]
@@ -159,6 +149,7 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
             "tpot_ms_by_request": by_request,
             # request i is admitted i-th in every mode's burst: TTFTs compare by position
             "ttft_ms_by_request": ttft_by_request,
+            "ttft_phases_ms_by_request": phases,  # tpot_stats.ttft_phases
             "tpot_engine_ms_by_request": by_request_engine,
             "tpot_engine_ms_median": statistics.median(e) if (e := [
                 t for t in by_request_engine if t is not None]) else None,

@@ -1,6 +1,6 @@
 """Figures of bench_tpot.py runs: median TPOT per mode and load, and each mode's overhead
-vs idle paired per request (shared by bench_tpot.py and capture_report.py), and the TTFT
-of bursts by admission position."""
+vs idle paired per request (shared by bench_tpot.py and capture_report.py), the TTFT of
+bursts by admission position, and a request's figures on the engine core's clock."""
 from __future__ import annotations
 
 import random
@@ -22,6 +22,37 @@ def summarise(result: dict, ci: bool = False) -> None:
     engine = paired_overheads(result["runs"], ENGINE, ci)
     if engine:  # launches from before the engine-clock figure have none
         result["summary_overhead_vs_idle_pct_engine"] = engine
+
+
+def engine_tpot_ms(out) -> float | None:
+    """TPOT on the engine core's clock: its outputs' timestamps of the first and the last
+    token (RequestOutput.metrics, with stats logging on), so the frontend's own delays (this
+    process's event loop, output handling) are left out: the control for the frontend
+    figure when the two disagree."""
+    m = getattr(out, "metrics", None) if out is not None else None
+    n = len(out.outputs[0].token_ids) if out is not None else 0
+    if m is None or n < 2 or not getattr(m, "first_token_ts", 0):
+        return None
+    return (m.last_token_ts - m.first_token_ts) / (n - 1) * 1000
+
+
+PHASES = ("admit", "queue", "prefill", "deliver")
+
+
+def ttft_phases(out, start: float, first: float) -> dict | None:
+    """Where a request's TTFT went, from its RequestOutput.metrics (the engine core's
+    events, stats logging on) and this process's times, all on CLOCK_MONOTONIC (one
+    host): `admit` from the request's start to the engine core queueing it (the
+    frontend's admission and the hand-over), `queue` until it was first scheduled,
+    `prefill` until the engine core built the output of its first token (the steps'
+    work and the worker's split of their rows), `deliver` until this process had the
+    token (serialisation, the transport, the frontend's output handling)."""
+    m = getattr(out, "metrics", None)
+    if m is None or not getattr(m, "queued_ts", 0) or not getattr(m, "first_token_ts", 0):
+        return None
+    ms = {"admit": m.queued_ts - start, "queue": m.scheduled_ts - m.queued_ts,
+          "prefill": m.first_token_ts - m.scheduled_ts, "deliver": first - m.first_token_ts}
+    return {k: round(v * 1000, 3) for k, v in ms.items()}
 
 
 def load_key(r: dict) -> str:
@@ -85,11 +116,15 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
     per-request admission cost included; `paired_ms`, request i's TTFT in the mode
     minus request i's in `base` in the same repetition, median over positions and
     repetitions, is the mode's added latency at equal position; `median_ms` is the
-    median of the runs' medians."""
+    median of the runs' medians; `phases_ms`, per phase (ttft_phases) the median over
+    the requests of every repetition, where the runs recorded them."""
     by: dict[tuple[str, str], dict[int, list[float]]] = {}
+    phases: dict[tuple[str, str], list[dict]] = {}  # ttft_phases of every request
     for r in runs:
         if str(r["rate"]).startswith("burst") and r.get("ttft_ms_by_request"):
             by.setdefault((str(r["rate"]), r["mode"]), {})[r["rep"]] = r["ttft_ms_by_request"]
+            phases.setdefault((str(r["rate"]), r["mode"]), []).extend(
+                p for p in r.get("ttft_phases_ms_by_request") or () if p)
     out: dict[str, dict[str, dict]] = {}
     for (load, mode), reps in sorted(by.items()):
         ref = by.get((load, base), {})
@@ -102,5 +137,7 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
             "median_ms": statistics.median(statistics.median(x for x in t if x is not None)
                                            for t in reps.values()),
             "paired_ms": statistics.median(paired) if paired else None,
-            "slope_ms": statistics.median(slopes) if slopes else None}
+            "slope_ms": statistics.median(slopes) if slopes else None,
+            "phases_ms": {k: statistics.median(p[k] for p in phases[load, mode])
+                          for k in PHASES} if phases[load, mode] else None}
     return out
