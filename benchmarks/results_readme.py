@@ -198,8 +198,9 @@ def _sink_check(group: dict) -> str:
 def _ttft(group: dict) -> str:
     """Per file, load and mode: TTFT of bursts (tpot_stats.ttft_by_position)."""
     lines = ["| file | load | mode | reps | TTFT median (ms) | vs idle, paired by position "
-             "(ms) | ms per admitted request | admit / queue / prefill / deliver (ms) |",
-             "|---" * 8 + "|"]
+             "(ms) | ms per admitted request | admit / queue / prefill / deliver (ms) | "
+             "the same, paired vs idle (ms) |",
+             "|---" * 9 + "|"]
     for name in group["files"]:
         d = json.loads((RESULTS / name).read_text())
         for load, modes in ttft_by_position(d["runs"]).items():
@@ -207,9 +208,12 @@ def _ttft(group: dict) -> str:
                 paired = "–" if mode == "idle" else f"{f['paired_ms']:+.1f}"
                 ph = f["phases_ms"]  # recorded since the end of session 18
                 phases = "–" if ph is None else " / ".join(f"{ph[k]:.1f}" for k in PHASES)
+                pp = f["phases_paired_ms"]
+                paired_phases = "–" if pp is None or mode == "idle" else \
+                    " / ".join(f"{pp[k]:+.1f}" for k in PHASES)
                 lines.append(f"| {name} | {load.replace('burst', '')} at once | {mode} | "
                              f"{f['reps']} | {f['median_ms']:.1f} | {paired} | "
-                             f"{f['slope_ms']:.2f} | {phases} |")
+                             f"{f['slope_ms']:.2f} | {phases} | {paired_phases} |")
     return "\n".join(lines) + "\n"
 
 

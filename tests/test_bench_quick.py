@@ -103,6 +103,12 @@ def test_ttft_by_position():
                                                    "deliver": 4.0}] * 2
     assert ttft_by_position(runs)["burst4"]["qk"]["phases_ms"] == {
         "admit": 1.0, "queue": 2.0, "prefill": 30.0, "deliver": 4.0}
+    assert ttft_by_position(runs)["burst4"]["qk"]["phases_paired_ms"] is None  # idle has none
+    # paired by position in the same repetition: request i's phase minus idle's request i's
+    runs[0]["ttft_phases_ms_by_request"] = [{"admit": 0.5, "queue": 2.0, "prefill": 20.0,
+                                             "deliver": 1.0}] * 4
+    assert ttft_by_position(runs)["burst4"]["qk"]["phases_paired_ms"] == {
+        "admit": 0.5, "queue": 0.0, "prefill": 10.0, "deliver": 3.0}
 
 
 def test_ttft_phases_split_ttft_on_one_clock():

@@ -117,14 +117,20 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
     minus request i's in `base` in the same repetition, median over positions and
     repetitions, is the mode's added latency at equal position; `median_ms` is the
     median of the runs' medians; `phases_ms`, per phase (ttft_phases) the median over
-    the requests of every repetition, where the runs recorded them."""
+    the requests of every repetition, where the runs recorded them, and `phases_paired_ms`
+    each phase paired by position like `paired_ms` (whole-burst phase medians move by tens
+    of ms between repetitions; the paired differences show where a mode's time goes)."""
     by: dict[tuple[str, str], dict[int, list[float]]] = {}
     phases: dict[tuple[str, str], list[dict]] = {}  # ttft_phases of every request
+    phases_by: dict[tuple[str, str], dict[int, list]] = {}  # the same, per repetition
     for r in runs:
         if str(r["rate"]).startswith("burst") and r.get("ttft_ms_by_request"):
             by.setdefault((str(r["rate"]), r["mode"]), {})[r["rep"]] = r["ttft_ms_by_request"]
             phases.setdefault((str(r["rate"]), r["mode"]), []).extend(
                 p for p in r.get("ttft_phases_ms_by_request") or () if p)
+            if r.get("ttft_phases_ms_by_request"):
+                phases_by.setdefault((str(r["rate"]), r["mode"]), {})[r["rep"]] = \
+                    r["ttft_phases_ms_by_request"]
     out: dict[str, dict[str, dict]] = {}
     for (load, mode), reps in sorted(by.items()):
         ref = by.get((load, base), {})
@@ -139,5 +145,16 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
             "paired_ms": statistics.median(paired) if paired else None,
             "slope_ms": statistics.median(slopes) if slopes else None,
             "phases_ms": {k: statistics.median(p[k] for p in phases[load, mode])
-                          for k in PHASES} if phases[load, mode] else None}
+                          for k in PHASES} if phases[load, mode] else None,
+            "phases_paired_ms": _paired_phases(phases_by.get((load, mode), {}),
+                                               phases_by.get((load, base), {}))}
     return out
+
+
+def _paired_phases(reps: dict[int, list], ref: dict[int, list]) -> dict | None:
+    """Per phase, the median over positions and repetitions of request i's phase in a
+    mode minus request i's in the base run of the same repetition."""
+    pairs = [(a, b) for rep, t in reps.items() if rep in ref
+             for a, b in zip(t, ref[rep]) if a and b]
+    return {k: statistics.median(a[k] - b[k] for a, b in pairs) for k in PHASES} \
+        if pairs else None
