@@ -181,14 +181,16 @@ def test_profile_capture_cpu(tmp_path):
     """profile_capture.py's CPU run (tiny model): rows come back, graphtap's ranges are
     seen every step, the added work is computed against idle, one trace per mode asked."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # --cpu sets it
-    res = bench("profile_capture", "--cpu", "--requests", "2", "--modes", "idle,hs,qk,idle",
-                "--trace", "idle,qk", "--cprofile", env={**env, "OUT": str(tmp_path)},
-                timeout=600)
+    res = bench("profile_capture", "--cpu", "--requests", "2", "--modes",
+                "idle,hs,qk,focus,idle", "--trace", "idle,qk", "--cprofile",
+                env={**env, "OUT": str(tmp_path)}, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     modes = json.loads((tmp_path / "profile-capture.json").read_text())["modes"]
-    assert [m["mode"] for m in modes] == ["idle", "hs", "qk", "idle"]
-    # 2 requests x 16 prompt tokens: hs 3 rows each; qk 4 q rows + 4 x 16 k rows each
-    assert [m["rows"] for m in modes] == [0, 6, 136, 0] and not any(m["errors"] for m in modes)
+    assert [m["mode"] for m in modes] == ["idle", "hs", "qk", "focus", "idle"]
+    # 2 requests x 16 prompt tokens: hs 3 rows each; qk 4 q rows + 4 x 16 k rows each;
+    # focus (its pattern sites configured for it): the last prompt token's mass, 4 entries
+    assert [m["rows"] for m in modes] == [0, 6, 136, 8, 0]
+    assert not any(m["errors"] for m in modes)
     for m in modes:
         assert m["steps"] == 8 and m["step_ms"] > 0
         assert set(m["graphtap_host_ms_per_step"]) >= {"graphtap.prepare_step",
@@ -200,7 +202,7 @@ def test_profile_capture_cpu(tmp_path):
         assert (kinds["copy"]["count"] > 0) == (m["mode"] != "idle"), kinds
         assert all(calls > 0 and cum >= own >= 0 for _, calls, own, cum in m["python_top"])
     assert sorted(p.name for p in tmp_path.glob("trace-*.json.gz")) == [  # not hs's
-        "trace-tiny-idle-0.json.gz", "trace-tiny-idle-3.json.gz", "trace-tiny-qk-2.json.gz"]
+        "trace-tiny-idle-0.json.gz", "trace-tiny-idle-4.json.gz", "trace-tiny-qk-2.json.gz"]
 
 
 def test_added_work_is_over_the_idle_runs():

@@ -3,12 +3,13 @@
 return? One in-process engine (worker included, so torch.profiler sees the runner's host
 side and the hook manager; configured like bench_tpot.py's graphtap launch, so the
 compile cache is shared), one burst of requests per bench mode (idle, hs, qk, mixed,
-dump: the same specs as bench_tpot.py). Per mode: wall time, rows and bytes returned and
-rows/s (unprofiled run), then a profiled run: graphtap's named host ranges per step
-(prepare_step, collect, to_cpu, per_request), its kernels' device time per step, the
-work it adds per step over idle (added_work), the host calls that stall a step (stream/device
-synchronisations, pinned allocations, blocking copies) and the top host ops. Writes
-$OUT/profile-capture.json; `--cpu` runs the same logic on the tiny model.
+dump, probe, focus: the same specs as bench_tpot.py). Per mode: wall time, rows and
+bytes returned and rows/s (unprofiled run), then a profiled run: graphtap's named host
+ranges per step (prepare_step, collect, to_cpu, per_request), its kernels' device time
+per step, the work it adds per step over idle (added_work), the host calls that stall a
+step (stream/device synchronisations, pinned allocations, blocking copies) and the top
+host ops. Writes $OUT/profile-capture.json; `--cpu` runs the same logic on the tiny
+model.
 
     PYTHONPATH=/tmp/vllm-site/patched:/tmp/vllm-site/deps:$GT_SITE \\
         python -m benchmarks.gpu.profile_capture --model qwen2-1.5b
@@ -33,9 +34,10 @@ STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
           "aten::nonzero", "cudaMallocHost", "cudaMalloc", "cudaFree")
 
 
-def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: float = 4.0):
+def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: float = 4.0,
+           focus: bool = False):
     """`sink`: the sink mode's layers (workloads.sink_sites), None: no sink mode;
-    `sink_gb`: its memory bound."""
+    `sink_gb`: its memory bound; `focus`: configure the focus guard's pattern sites."""
     from vllm import LLM
 
     from graphtap.runner_info import WORKER_EXTENSION
@@ -43,7 +45,8 @@ def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: fl
     # Every capture mode's sites, whichever modes run: the same configuration as a
     # bench_tpot.py launch of all modes, so the two share compiled artifacts.
     # log stats on: each output then carries its time to first token (RequestStateStats).
-    config = hook_config(cfg, ["mixed", "dump"] + (["sink"] if sink else []), sink or "hs")
+    config = hook_config(cfg, ["mixed", "dump"] + (["sink"] if sink else []) +
+                         (["focus"] if focus else []), sink or "hs")
     if sink:
         config["sink_max_queued_bytes"] = int(sink_gb * 2**30)
     kw = dict(model=path, seed=0, max_model_len=400, max_num_seqs=64, hook_manager="graphtap",
@@ -242,7 +245,7 @@ def main() -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     path, cfg = model_dir(args.model)
     sink = args.sink_layers if "sink" in args.modes.split(",") else None
-    llm = engine(path, cfg, args.cpu, sink, args.sink_queue_gb)
+    llm = engine(path, cfg, args.cpu, sink, args.sink_queue_gb, "focus" in args.modes.split(","))
     in_len, out_len = (16, 8) if args.cpu else (256, 128)
     seen: set[str] = set()  # sink shards counted
 
