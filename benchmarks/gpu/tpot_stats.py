@@ -121,13 +121,10 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
     each phase paired by position like `paired_ms` (whole-burst phase medians move by tens
     of ms between repetitions; the paired differences show where a mode's time goes)."""
     by: dict[tuple[str, str], dict[int, list[float]]] = {}
-    phases: dict[tuple[str, str], list[dict]] = {}  # ttft_phases of every request
-    phases_by: dict[tuple[str, str], dict[int, list]] = {}  # the same, per repetition
+    phases_by: dict[tuple[str, str], dict[int, list]] = {}  # ttft_phases, per repetition
     for r in runs:
         if str(r["rate"]).startswith("burst") and r.get("ttft_ms_by_request"):
             by.setdefault((str(r["rate"]), r["mode"]), {})[r["rep"]] = r["ttft_ms_by_request"]
-            phases.setdefault((str(r["rate"]), r["mode"]), []).extend(
-                p for p in r.get("ttft_phases_ms_by_request") or () if p)
             if r.get("ttft_phases_ms_by_request"):
                 phases_by.setdefault((str(r["rate"]), r["mode"]), {})[r["rep"]] = \
                     r["ttft_phases_ms_by_request"]
@@ -138,14 +135,15 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
                   for a, b in zip(t, ref[rep]) if a is not None and b is not None]
         slopes = [float(np.polyfit(np.arange(len(t)), t, 1)[0]) for t in reps.values()
                   if None not in t and len(t) > 1]
+        phases = [p for t in phases_by.get((load, mode), {}).values() for p in t if p]
         out.setdefault(load, {})[mode] = {
             "reps": len(reps),
             "median_ms": statistics.median(statistics.median(x for x in t if x is not None)
                                            for t in reps.values()),
             "paired_ms": statistics.median(paired) if paired else None,
             "slope_ms": statistics.median(slopes) if slopes else None,
-            "phases_ms": {k: statistics.median(p[k] for p in phases[load, mode])
-                          for k in PHASES} if phases[load, mode] else None,
+            "phases_ms": {k: statistics.median(p[k] for p in phases)
+                          for k in PHASES} if phases else None,
             "phases_paired_ms": _paired_phases(phases_by.get((load, mode), {}),
                                                phases_by.get((load, base), {}))}
     return out
