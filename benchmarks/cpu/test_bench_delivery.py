@@ -11,32 +11,11 @@ import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from graphtap.courier import CaptureStep, OverflowKind, RowFormat, StepRows
+from test_bench_ops import step_snapshot
 
-WIDTH, HEADS, HEAD_DIM = 4096, (0, 1, 2, 3), 128
-HS = RowFormat(torch.bfloat16, WIDTH, None, 0)
-QK = RowFormat(torch.bfloat16, WIDTH, HEADS, HEAD_DIM)
-
-
-def capture_chunks(load: str, reqs: int, prompt: int = 256) -> dict:
-    """A prefill step's chunks. hs: resid_post at 3 layers, the last prompt token (8 KiB
-    rows); qk: q at the last prompt token and k at every prompt token, 4 layers x 4 heads
-    (rows narrowed to the 512 columns the heads use, as the capture family clones them)."""
-    if load == "hs":
-        sites = {s: (f"blocks.{8 * (s + 1)}.hook_resid_post", HS, [prompt - 1]) for s in range(3)}
-    else:
-        sites = {s: (f"blocks.{4 * (s // 2 + 1)}.attn.hook_{'qk'[s % 2]}", QK,
-                     [prompt - 1] if s % 2 == 0 else list(range(prompt))) for s in range(8)}
-    labels = torch.tensor([(r, s, p) for s, (_, _, pos) in sites.items() for r in range(reqs)
-                           for p in pos])
-    count = torch.cat([torch.tensor([len(labels)]), torch.bincount(labels[:, 0], minlength=reqs)])
-    cols = WIDTH if load == "hs" else len(HEADS) * HEAD_DIM
-    step = CaptureStep(StepRows(torch.randn(len(labels), cols).to(torch.bfloat16), labels, count,
-                                {r: f"r{r}" for r in range(reqs)},
-                                {r: {s: f for s, (_, f, _) in sites.items()} for r in range(reqs)},
-                                {s: name for s, (name, _, _) in sites.items()}, 1 << 22,
-                                OverflowKind.CAPTURE_ROWS))
-    return step.per_request()
+# hs: resid_post at 3 layers, the last prompt token (8 KiB rows); qk: q at the last
+# prompt token and k at every one of 256, 4 layers x 4 heads (step_snapshot's loads)
+LOADS = {"hs": ("dump", 1), "qk": ("qk", 256)}
 
 
 def deliver(encoder, decoder, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
@@ -47,7 +26,8 @@ def deliver(encoder, decoder, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
 @pytest.mark.parametrize("load,reqs", [("idle", 64), ("hs", 16), ("hs", 64), ("qk", 16)],
                          ids=["idle64", "hs16", "hs64", "qk16"])
 def test_deliver_step(benchmark, load, reqs):
-    chunks = {} if load == "idle" else capture_chunks(load, reqs)
+    chunks = {} if load == "idle" else step_snapshot(reqs, LOADS[load][1],
+                                                     LOADS[load][0]).per_request()
     outputs = EngineCoreOutputs(outputs=[
         EngineCoreOutput(request_id=f"r{r}", new_token_ids=[5],
                          hook_outputs=[chunks[f"r{r}"]] if chunks else None)

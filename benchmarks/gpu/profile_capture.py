@@ -244,8 +244,9 @@ def main() -> int:
         # so the hook slots) is there
         os.environ.setdefault("TRITON_INTERPRET", "1")
     path, cfg = model_dir(args.model)
-    sink = args.sink_layers if "sink" in args.modes.split(",") else None
-    llm = engine(path, cfg, args.cpu, sink, args.sink_queue_gb, "focus" in args.modes.split(","))
+    modes = args.modes.split(",")
+    sink = args.sink_layers if "sink" in modes else None
+    llm = engine(path, cfg, args.cpu, sink, args.sink_queue_gb, "focus" in modes)
     in_len, out_len = (16, 8) if args.cpu else (256, 128)
     seen: set[str] = set()  # sink shards counted
 
@@ -258,7 +259,7 @@ def main() -> int:
     activities = [ProfilerActivity.CPU] + ([] if args.cpu else [ProfilerActivity.CUDA])
     out = Path(os.environ.get("OUT", Path(__file__).resolve().parents[1] / "results"))
     out.mkdir(parents=True, exist_ok=True)
-    for mode in args.modes.split(","):
+    for mode in modes:
         # a mode's first burst may grow host memory (the sink's first grew torch's pinned
         # pool: 6.9 s, a later one 2.9 s even under the profiler): kept apart, the figures
         # are the next burst's

@@ -131,8 +131,7 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
     out: dict[str, dict[str, dict]] = {}
     for (load, mode), reps in sorted(by.items()):
         ref = by.get((load, base), {})
-        paired = [a - b for rep, t in reps.items() if rep in ref
-                  for a, b in zip(t, ref[rep]) if a is not None and b is not None]
+        paired = [a - b for a, b in _by_position(reps, ref)]
         slopes = [float(np.polyfit(np.arange(len(t)), t, 1)[0]) for t in reps.values()
                   if None not in t and len(t) > 1]
         phases = [p for t in phases_by.get((load, mode), {}).values() for p in t if p]
@@ -152,7 +151,13 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
 def _paired_phases(reps: dict[int, list], ref: dict[int, list]) -> dict | None:
     """Per phase, the median over positions and repetitions of request i's phase in a
     mode minus request i's in the base run of the same repetition."""
-    pairs = [(a, b) for rep, t in reps.items() if rep in ref
-             for a, b in zip(t, ref[rep]) if a and b]
+    pairs = list(_by_position(reps, ref))
     return {k: statistics.median(a[k] - b[k] for a, b in pairs) for k in PHASES} \
         if pairs else None
+
+
+def _by_position(reps: dict[int, list], ref: dict[int, list]):
+    """(request i in a mode, request i in the base run) of every repetition both ran,
+    where both have a figure."""
+    return ((a, b) for rep, t in reps.items() if rep in ref
+            for a, b in zip(t, ref[rep]) if a is not None and b is not None)
