@@ -4,6 +4,7 @@ import torch
 
 from graphtap.courier import CaptureStep, RowFormat, StepRows
 from graphtap.courier.chunks import OverflowKind
+from graphtap.courier.pack import unpack
 from graphtap.frontend import GraphtapFrontend
 from graphtap.outputs import HookOutputs
 from graphtap.spec import ModelShape
@@ -99,7 +100,7 @@ def test_step_split_per_request_matches_a_row_by_row_reference(labels):
     rows = torch.randn(len(labels) + 3, width).to(torch.bfloat16)  # + unused rows
     snap = step(rows, torch.tensor(labels + [(9, 9, 9)] * 3), len(labels),
                 {0: "a", 1: "b", 2: "c", 9: "gone"}, formats, names)
-    out = snap.per_request()
+    out = {r: unpack(c) for r, c in snap.per_request().items()}
     assert set(out) == {"a", "b", "c"}
     for req, slot in (("a", 0), ("b", 1), ("c", 2)):
         for site, name in names.items():
@@ -137,8 +138,8 @@ def test_a_step_copies_home_only_the_columns_its_formats_read():
     names = {0: "blocks.0.attn.hook_k", 1: "blocks.0.attn.hook_v"}
 
     def split(r):
-        return step(r, torch.tensor(labels), len(labels), {0: "a", 1: "b"}, fmts,
-                    names).per_request()
+        return {q: unpack(c) for q, c in step(r, torch.tensor(labels), len(labels),
+                                              {0: "a", 1: "b"}, fmts, names).per_request().items()}
 
     whole = split(rows)
     assert torch.equal(whole["a"][names[0]], rows[:2, :4].reshape(2, 2, hd)[:, [1, 0]])
@@ -172,7 +173,7 @@ def test_every_split_result_serialises_like_vllm_sends_it():
         out = snap.per_request()["a"]
         for t in out.values():
             assert len(tensor_data(t)) == t.numel() * t.element_size()
-        assert out["s@positions"].tolist() == list(range(n))
+        assert unpack(out)["s@positions"].tolist() == list(range(n))
 
 
 @pytest.mark.parametrize("columns", [3, 4], ids=["captures", "patterns"])

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from graphtap.courier.pack import unpack
 from graphtap.ops.probe import probe_reference
 from graphtap.spec import ModelShape, normalise, parse_spec
 from helpers import engine_tables
@@ -180,7 +181,7 @@ def test_family_scores_and_splits_per_request():
                     batch.positions, 1)
     step = fam.snapshot()
     step.to_cpu_nonblocking()
-    out = step.per_request()["a"]
+    out = unpack(step.per_request()["a"])  # the split's packs (courier/pack.py)
     want = x[:4] @ torch.tensor([weights[0], weights[1]]).T + torch.tensor([0.0, 2.0])
     torch.testing.assert_close(out[f"probe:{SITE}"], want, atol=1e-5, rtol=1e-5)
     assert out[f"probe:{SITE}@positions"].tolist() == [0, 1, 2, 3]

@@ -160,6 +160,7 @@ def test_an_overflow_fails_only_the_requests_that_do_not_fit(backend):
     """Issue 16 item 5: a big request first in the batch must not take a small one's rows
     with it. Requests get rows whole, in slot order, while they fit."""
     from graphtap.courier import CaptureStep, StepRows
+    from graphtap.courier.pack import unpack
     from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
     from graphtap.ops.route import route_rows_reference
     from graphtap.ops.route_triton import route_rows_triton
@@ -183,7 +184,7 @@ def test_an_overflow_fails_only_the_requests_that_do_not_fit(backend):
                                 {0: "big", 2: "small", 3: "other"}, {}, {0: "s0", 1: "s1"},
                                 t.rows, OverflowKind.CAPTURE_ROWS))
     step.formats = {2: {1: _fmt()}, 3: {0: _fmt()}}
-    out = step.per_request()
+    out = {r: unpack(c) for r, c in step.per_request().items()}
     assert Overflow.from_tensor(out["big"][OVERFLOW]).wanted == 30 and len(out["big"]) == 1
     assert out["small"]["s1@positions"].tolist() == [0, 1]
     assert out["other"]["s0@positions"].tolist() == [0]

@@ -10,6 +10,7 @@ import torch
 
 from graphtap.courier import CaptureStep, RowFormat, StepRows
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
+from graphtap.courier.pack import unpack
 from graphtap.courier.rows import NO_SINK
 from graphtap.engine.families.capture import CaptureFamily, SinkTap
 from graphtap.engine.rows import RowFamily
@@ -51,7 +52,7 @@ def test_sink_rows_leave_per_site_and_format_beside_per_request_rows():
     live = {0, 1, 2}
     step, writer = capture_step(labels, [9, 2, 2, 1], {0: "a", 1: "b", 2: "c", 3: "d"},
                                 formats, sink_of, [70, 71, 72, 0], live)
-    out = step.per_request()
+    out = {r: unpack(c) for r, c in step.per_request().items()}
     assert writer.handovers == 1  # one hand-over a step
     assert [p[0] for p in writer.puts] == ["s0", "s1"]  # a run per site and format
     site, request, position, values, token = writer.puts[0]
@@ -154,7 +155,7 @@ def test_a_stopped_writer_fails_the_sink_requests_of_the_step_not_the_engine():
                            {0: {0: BF16}, 1: {0: BF16}, 2: {0: BF16}},
                            {(0, 0): BF16, (2, 0): BF16}, [70, 71, 72], {0, 2})
     step.sink.writer = FailedSink()
-    out = step.per_request()
+    out = {r: unpack(c) for r, c in step.per_request().items()}
     assert set(out) == {"a", "b", "c"}
     for req in "ac":
         assert "No space left" in error_message(out[req][ERROR]) and len(out[req]) == 1

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from graphtap.courier import CaptureStep, OverflowKind, RowFormat, StepRows
+from graphtap.courier.pack import unpack
 from graphtap.courier.sink import SinkWriter
 from graphtap.courier.staging import ALIGN, Staging
 from graphtap.engine.families.capture import SinkTap
@@ -112,7 +113,7 @@ def test_the_capture_step_settles_its_block_with_the_bytes_it_handed_over(tmp_pa
     step.sink = SinkTap(sink, format_of, np.arange(3), (f32, bf16), {0, 2})
     step.tokens = torch.arange(4)
     step.staged = offset
-    out = step.per_request()
+    out = {r: unpack(c) for r, c in step.per_request().items()}
     assert set(out) == {"b"} and torch.equal(out["b"]["s0"], rows[1:2])
     assert step.staged is None  # settled: 2 rows of 8 float32 handed over as views
     sink.sync()

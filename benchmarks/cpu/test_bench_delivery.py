@@ -11,6 +11,7 @@ import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+from graphtap.courier.pack import unpack
 from test_bench_ops import step_snapshot
 
 # hs: resid_post at 3 layers, the last prompt token (8 KiB rows); qk: q at the last
@@ -35,5 +36,5 @@ def test_deliver_step(benchmark, load, reqs):
     back = benchmark(deliver, MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs), outputs)
     assert len(back.outputs) == reqs
     if chunks:
-        sent, got = chunks["r0"], back.outputs[0].hook_outputs[0]
+        sent, got = unpack(chunks["r0"]), unpack(back.outputs[0].hook_outputs[0])
         assert sent.keys() == got.keys() and all(torch.equal(sent[k], got[k]) for k in sent)

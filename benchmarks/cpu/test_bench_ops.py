@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graphtap.courier import CaptureStep, OverflowKind, RowFormat, StepRows, columns
+from graphtap.courier.pack import unpack
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.families.steer import SteerFamily
 from graphtap.engine.families.vectors import VectorBank
@@ -161,7 +162,7 @@ def test_courier_split(benchmark, reqs, rows_each, load):
     snap = step_snapshot(reqs, rows_each, load)
     out = benchmark(snap.per_request)
     name = snap.site_names[1]
-    assert len(out) == reqs and out["r0"][name].shape[0] == rows_each
+    assert len(out) == reqs and unpack(out["r0"])[name].shape[0] == rows_each
 
 
 @pytest.mark.parametrize("spec", ["valid-8x4096", "packed-8x4096", "packed-1x4096",

@@ -9,15 +9,17 @@ import torch
 from graphtap.courier.chunks import (ERROR, HELD, OVERFLOW, Overflow, error_message,
                                      is_data_key, positions_key, ragged_name)
 from graphtap.courier.guard import outcome
+from graphtap.courier.pack import unpack
 from graphtap.courier.patterns import unpack_patterns
 from graphtap.outputs import HookOutputs
 
 
 def merge_chunks(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Concatenate per-key pieces along the first dimension, in arrival order."""
+    """Concatenate per-key pieces along the first dimension, in arrival order (packs
+    split per site first)."""
     names: dict[str, list[torch.Tensor]] = {}
     for chunk in chunks:
-        for name, tensor in chunk.items():
+        for name, tensor in unpack(chunk).items():
             names.setdefault(name, []).append(tensor)
     return {n: t[0] if len(t) == 1 else torch.cat(t) for n, t in names.items()}
 

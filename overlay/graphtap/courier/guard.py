@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import FINISH, positions_key
+from graphtap.courier.pack import unpack
 
 
 def verdict(guard, prompt_len: int, chunk: dict[str, torch.Tensor]):
@@ -17,6 +18,7 @@ def verdict(guard, prompt_len: int, chunk: dict[str, torch.Tensor]):
     step holds none the guard reads. Runs per guarded request per step, so in numpy on
     the tensors' memory (a handful of torch calls cost ~20 us a request: 2 % of a decode
     step at 16 requests, on the thread that shares the GIL with the next step's setup)."""
+    chunk = unpack(chunk)  # attention masses come packed (pack.py)
     if guard.kind == "attention_focus":
         last = prompt_len - 1
         focus = []

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from graphtap.courier.chunks import positions_key, ragged_key
+from graphtap.courier.pack import pack_key
 from graphtap.courier.snapshot import LabelledStep
 from graphtap.ops.tables import Label
 
@@ -71,14 +73,24 @@ class MassFormat(NamedTuple):
 
 class MassStep(LabelledStep):
     """An attention-mass step; labels (slot, site, position, head) per row, each row the
-    masses of its spans: per request and site [queries, heads, spans] float32."""
+    masses of its spans: per request and site [queries, heads, spans] float32, packed
+    per format (pack.py: a focus guard's 4 sites were 8 tensors a request)."""
 
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
-        out: dict[str, dict[str, torch.Tensor]] = {}
+        found: dict[str, dict[MassFormat, list]] = {}
         for req, slot, site, labels, rows in self.groups(ORDER, SLOT, SITE):
             fmt = self.formats[slot][site]
-            name = self.site_names[site]
             data = rows[:, :fmt.spans].reshape(-1, fmt.heads, fmt.spans)
-            out.setdefault(req, {})[name] = data.to(torch.float32, copy=True)
-            out[req][positions_key(name)] = torch.from_numpy(labels[::fmt.heads, POSITION].copy())
+            found.setdefault(req, {}).setdefault(fmt, []).append(
+                (self.site_names[site], data, labels[::fmt.heads, POSITION]))
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for req, packs in found.items():
+            chunk = out[req] = {}
+            for sites in packs.values():
+                key = pack_key([name for name, _, _ in sites])
+                # cat copies: nothing here views the pinned step buffer
+                chunk[key] = torch.cat([data for _, data, _ in sites]).to(torch.float32)
+                counts = np.array([len(pos) for _, _, pos in sites], np.int64)
+                chunk[positions_key(key)] = torch.from_numpy(
+                    np.concatenate([counts, *(pos for _, _, pos in sites)]).astype(np.int64))
         return out

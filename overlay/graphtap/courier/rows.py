@@ -1,6 +1,7 @@
 """The courier's split of a capture step: each request's rows per site, in the format it
-asked for (dtype, chosen heads), as tensors of their own (never views of the pinned step
-buffer, which would keep it from going back to the caching host allocator)."""
+asked for (dtype, chosen heads), packed per format (pack.py) in tensors of their own
+(never views of the pinned step buffer, which would keep it from going back to the
+caching host allocator)."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import ERROR, error_tensor, positions_key
+from graphtap.courier.pack import SOLO_BYTES, pack_key, packed_index, ramp, row_bytes
 from graphtap.courier.sink import SinkFailed
 from graphtap.courier.snapshot import LabelledStep
 from graphtap.ops.tables import Label
@@ -76,40 +78,95 @@ class CaptureStep(LabelledStep):
                 self.staged = None
 
     def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:
-        """The rows `keep` marks (all: None), per request."""
+        """The rows `keep` marks (all: None), per request: per output format one pack of
+        its sites (pack.py), each a view of one copy made for the whole step."""
         # Copies out of the pinned step buffer (a view would keep it from going back to
-        # the caching host allocator) of the bytes returned only, in few large copies:
-        # one per (site, output format) over the rows of its in-order groups, each
-        # group then a view of it. A row spans the widest configured site (Llama-3-8B:
-        # 4096 columns) where a k row of 4 heads uses 512; copying whole rows made a
-        # qk prefill step of 8 x 256 tokens cost 12 ms here, 67 MB moved for 8. And
-        # per-group copies (or even per-group tensors from numpy) add up: a decode step
-        # of 64 requests x 3 sites has 192 groups, and the H200 host was ~50 us per copy.
+        # the caching host allocator) of the bytes returned only, one per output format:
+        # its rows gathered in request order (the device writes them site-major), so
+        # that each request's rows are one slice of it. A row spans the widest
+        # configured site (Llama-3-8B: 4096 columns) where a k row of 4 heads uses 512;
+        # copying whole rows made a qk prefill step of 8 x 256 tokens cost 12 ms here,
+        # 67 MB moved for 8. Per-group copies add up: a decode step of 64 requests x 3
+        # sites has 192 groups, and the H200 host was ~50 us per copy.
         labels, perm = self.sorted_labels(ORDER, keep)
-        groups = list(self.spans(labels, perm, SLOT, SITE))
-        by_block: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> (first, rows, group)
-        for g, (_, slot, site, start, end, first, index) in enumerate(groups):
-            if index is None:
-                by_block.setdefault((site, self.formats[slot][site]), []).append(
-                    (first, end - start, g))
-        data: dict[int, torch.Tensor] = {}
-        for key, members in by_block.items():
-            members.sort()
-            lo, hi = members[0][0], max(first + n for first, n, _ in members)
-            data.update(_split(self._cut(self.rows[lo:hi], key[1]), lo, members))
-        # .copy(): numpy calls a 1-element column contiguous and keeps its stride of 3,
-        # which vLLM's tensor serialiser then refuses (a step of one captured row).
-        positions = _split(torch.from_numpy(labels[:, POSITION].copy()), 0,
-                           [(start, end - start, g) for g, (*_, start, end, _, _)
-                            in enumerate(groups)])
+        packs: dict[RowFormat, list[tuple[int, bool, int, int, int, str]]] = {}
+        for req, slot, site, start, end, _, _ in self.spans(labels, perm, SLOT, SITE):
+            fmt = _pack_format(self.formats[slot][site])
+            solo = (end - start) * row_bytes(fmt) >= SOLO_BYTES
+            packs.setdefault(fmt, []).append((slot, solo, site, start, end - start, req))
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for g, (req, slot, site, start, end, first, index) in enumerate(groups):
-            rows = data[g] if index is None else \
-                self._cut(self.rows[torch.from_numpy(index)], self.formats[slot][site])
-            name = self.site_names[site]
-            out.setdefault(req, {})[name] = rows
-            out[req][positions_key(name)] = positions[g]
+        for fmt, members in packs.items():
+            # by request (slot), its packed sites first (one slice), then its solo ones
+            members.sort()
+            slot, solo, site, start, n = (np.fromiter((m[k] for m in members), np.int64,
+                                                      len(members)) for k in range(5))
+            at = np.repeat(start, n) + ramp(n)  # the rows in the sorted labels, in order
+            data = self._gather(perm[at], fmt)
+            positions = labels[at, POSITION].astype(np.int64)
+            packed = solo == 0
+            if packed.any():
+                p_slot, p_n = slot[packed], n[packed]
+                firsts = np.flatnonzero(np.r_[True, p_slot[1:] != p_slot[:-1]])
+                sites = np.diff(np.r_[firsts, len(p_n)])  # each request's packed sites
+                rows = np.add.reduceat(p_n, firsts)  # and their rows
+                index = torch.from_numpy(packed_index(
+                    p_n, sites, rows, positions[np.repeat(packed, n)])).split(
+                        (sites + rows).tolist())
+            # the data's pieces: per request its pack (if any), then each solo site
+            sizes, pieces, i = [], [], 0
+            while i < len(members):
+                if solo[i]:
+                    sizes.append(int(n[i]))
+                    pieces.append((members[i][5], [i]))
+                    i += 1
+                    continue
+                j = i
+                while j < len(members) and slot[j] == slot[i] and not solo[j]:
+                    j += 1
+                sizes.append(int(n[i:j].sum()))
+                pieces.append((members[i][5], list(range(i, j))))
+                i = j
+            parts = data.split(sizes)
+            pos = torch.from_numpy(positions).split(sizes)
+            packs_seen = 0
+            for (req, group), rows_part, pos_part in zip(pieces, parts, pos):
+                chunk = out.setdefault(req, {})
+                if solo[group[0]]:  # its own tensor: it reaches the frontend as its own
+                    name = self.site_names[members[group[0]][2]]
+                    chunk[name], chunk[positions_key(name)] = rows_part, pos_part
+                    continue
+                key = pack_key([self.site_names[members[k][2]] for k in group])
+                chunk[key], chunk[positions_key(key)] = rows_part, index[packs_seen]
+                packs_seen += 1
         return out
+
+    def _gather(self, rows: np.ndarray, fmt: RowFormat) -> torch.Tensor:
+        """Buffer rows `rows` in an output format, as a new contiguous tensor: one copy
+        (a slice where they are one run, else one index_select of the columns read),
+        a second pass only for a cast or chosen heads that are not one run."""
+        dtype, width, heads, head_dim = fmt
+        lo, hi, cut = 0, min(width, self.rows.shape[1]), False
+        if heads is None and head_dim:  # every head (a row narrowed to it may end mid-head)
+            hi = hi // head_dim * head_dim
+        elif heads is not None:
+            runs = _head_runs(heads)
+            if len(runs) == 1:  # the usual: heads a..b, one block of columns
+                lo, hi = runs[0][1] * head_dim, (runs[0][1] + runs[0][2]) * head_dim
+            else:
+                hi, cut = columns(fmt), True
+        src = self.rows[:, lo:hi]
+        first = int(rows[0])
+        if rows[-1] - first + 1 == len(rows) and (np.diff(rows) == 1).all():
+            data, copied = src[first:first + len(rows)], False
+        else:
+            data, copied = torch.index_select(src, 0, torch.from_numpy(rows)), True
+        if cut:
+            return self._cut(data, fmt)
+        if head_dim:
+            data = data.unflatten(1, (-1, head_dim))
+        if copied and data.dtype == dtype:
+            return data
+        return data.to(dtype, copy=True).contiguous()
 
     def _to_sink(self) -> tuple[np.ndarray, dict, int]:
         """Sends the rows of sink entries to the sink in one hand-over: per site and format
@@ -233,20 +290,7 @@ def _head_runs(heads: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
     return tuple(tuple(r) for r in runs)
 
 
-def _split(t: torch.Tensor, lo: int, members: list[tuple[int, int, int]]) -> dict:
-    """Views of t's rows: {key: t[first - lo:first - lo + n]} for (first, n, key) in
-    members (sorted by first, not overlapping), made by one split call (a Python slice
-    per group cost ~1.5 us each here: 192 groups per decode step of 64 requests x 3
-    sites); the sizes include the gaps between members."""
-    sizes, keys, cursor = [], [], lo
-    for first, n, key in members:
-        if first > cursor:
-            sizes.append(first - cursor)
-            keys.append(None)
-        sizes.append(n)
-        keys.append(key)
-        cursor = first + n
-    if cursor - lo < t.shape[0]:
-        sizes.append(t.shape[0] - (cursor - lo))
-        keys.append(None)
-    return {k: part for k, part in zip(keys, t.split(sizes)) if k is not None}
+def _pack_format(fmt: RowFormat) -> RowFormat:
+    """The format rows share a pack in: chosen heads read the same columns of any site
+    (q and k of heads 0-3 alike), whatever its width."""
+    return fmt if fmt.heads is None else fmt._replace(width=columns(fmt))

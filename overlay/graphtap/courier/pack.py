@@ -1,0 +1,80 @@
+"""A request's capture rows of one step as few tensors: vLLM's msgpack path from the
+engine core to the frontend costs per tensor (and per frame, one per tensor over 256
+bytes), so a request capturing 3 sites sent 6 tensors a step, and 64 of them added ~6 ms
+to their first token on the H200 (benchmarks/cpu/test_bench_delivery.py measures it).
+
+Per output format, one rows tensor holds the request's sites one after another, keyed
+`PACK` + the site names in that order; `positions_key` of that key holds an int64 index:
+the rows of each site, then every row's position. A site with SOLO_BYTES of rows or
+more in the step keeps its own two entries (name, positions_key(name)). The frontend
+unpacks a chunk before it merges the steps (assemble.py)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from graphtap.courier.chunks import positions_key
+
+PACK = "graphtap:pack:"
+# A site's rows of one step this large travel as a tensor of their own, as before packs:
+# they reach the frontend as a frame of their own, which it keeps as the result, where
+# sites out of a pack are copied apart at finish (a qk burst's 64 MB of k rows, one
+# pack per request: 0.25-0.45 s of the frontend's event loop on the H200 host, fresh
+# memory's page faults). Below it, a tensor's fixed cost outweighs the copy.
+SOLO_BYTES = 16 << 10
+
+
+def pack_key(names: list[str]) -> str:
+    return PACK + ",".join(names)
+
+
+def row_bytes(fmt) -> int:
+    """Bytes of one row in an output format (courier.rows.RowFormat)."""
+    dtype, width, heads, head_dim = fmt
+    return dtype.itemsize * (len(heads) * head_dim if heads is not None else width)
+
+
+def packed_index(counts: np.ndarray, sites: np.ndarray, rows: np.ndarray,
+                 positions: np.ndarray) -> np.ndarray:
+    """Every request's index of one pack, back to back: for request r, its `sites[r]`
+    row counts (counts, flat over the requests) then the positions of its `rows[r]`
+    rows (positions, flat). In array operations: a decode step of 64 requests x 3 sites
+    is 192 groups."""
+    sizes = sites + rows
+    out = np.empty(int(sizes.sum()), np.int64)
+    start = np.cumsum(sizes) - sizes  # each request's first entry
+    # the headers at start[r] + 0..sites[r]-1, the positions after them
+    head = np.repeat(start, sites) + ramp(sites)
+    out[head] = counts
+    body = np.ones(len(out), bool)
+    body[head] = False
+    out[body] = positions
+    return out
+
+
+def ramp(sizes: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n in sizes, concatenated."""
+    total = int(sizes.sum())
+    return np.arange(total) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
+def unpack(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A step's chunk with its packs split back into one entry per site (name, and its
+    positions_key): views of the packs, in the pack's order."""
+    if not any(k.startswith(PACK) for k in chunk):
+        return chunk
+    out = {}
+    for key, t in chunk.items():
+        if not key.startswith(PACK):
+            out[key] = t
+        elif "@" not in key:
+            names = key[len(PACK):].split(",")
+            index = chunk[positions_key(key)]
+            counts = index[:len(names)].tolist()
+            positions = index[len(names):]
+            if sum(counts) != len(t) or len(positions) != len(t):
+                raise ValueError(f"graphtap: a pack of {len(t)} rows came with counts "
+                                 f"{counts} and {len(positions)} positions")
+            for name, rows, pos in zip(names, t.split(counts), positions.split(counts)):
+                out[name], out[positions_key(name)] = rows, pos
+    return out
