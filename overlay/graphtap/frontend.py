@@ -4,6 +4,7 @@ by refusing requests at admission, and hand a finished request's chunks to the c
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import msgspec
@@ -85,6 +86,15 @@ class GraphtapFrontend(HookFrontend):
         return frontend
 
     def process_request(self, request_id, params, cache_salt, prompt_len=0):
+        # AsyncLLM processes raw prompts one by one on a worker thread while its event
+        # loop sends each finished one to the engine core. Pure-Python spec work keeps
+        # the GIL across requests, so the loop got it only at the 5 ms switch interval
+        # and a burst's first requests reached the engine 5-20 ms late (an H200 burst of
+        # 64: capture requests queued at 13-29 ms, steer ones, whose hashing releases
+        # the GIL, at 3-5 ms). Yielding it here lets the loop send the previous request
+        # now. Not on the main thread (the API server's event loop, LLM): nothing waits.
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0)
         try:
             return self._process(params, cache_salt, prompt_len)
         except HookSpecError:

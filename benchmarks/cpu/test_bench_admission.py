@@ -1,0 +1,69 @@
+"""CPU benchmark of a burst's admission the way AsyncLLM runs it (issue 18): raw prompts
+are processed one by one on one worker thread (the renderer's executor), and the event
+loop sends each processed request to the engine core. Pure-Python spec work on that
+thread kept the GIL across requests, so the loop sent a burst's first requests only at
+the interpreter's 5 ms switch interval: on the H200, 64 capture requests reached the
+engine core 5-20 ms after steer ones, whose vector hashing releases the GIL.
+
+64 requests capturing 3 residual sites go through SamplingParams.clone and the hook
+frontend's processing, `process_request` (which yields the GIL first off the main
+thread) or, as the control, the same work without the yield (`_process`). extra_info:
+when the event loop saw the first and the 32nd request processed (when AsyncLLM would
+send them), median over rounds, in ms. What it shows depends on the host: on the 2-core
+dev machine the loop sees the first request at ~1 ms either way and each yield costs a
+thread switch (~90 us: the burst 8 -> 14 ms); the H200 host's convoy (request 0 queued
+at 8-29 ms without the yield, 2.4-5.3 with it; benchmarks/results, llama3-8b-ttft) does
+not show here."""
+import asyncio
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from vllm import SamplingParams
+
+from graphtap.frontend import GraphtapFrontend
+from graphtap.spec import ModelShape
+
+SITES = [f"blocks.{layer}.hook_resid_post" for layer in (8, 16, 24)]
+SHAPE = ModelShape(num_layers=32, hidden_size=4096, max_model_len=512,
+                   configured_sites=set(SITES), max_steers=4, max_vectors=64,
+                   max_captures=4, num_heads=32, num_kv_heads=8, head_dim=128,
+                   save_root=None)
+HS = {"capture": [{"site": s, "positions": "last_prompt"} for s in SITES]}
+
+
+async def burst(process, n: int = 64) -> list[float]:
+    """ms from the burst's start until the event loop saw each request processed."""
+    executor = ThreadPoolExecutor(1)
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    seen: list[float] = []
+
+    async def one(i: int) -> None:
+        await loop.run_in_executor(executor, process, i)
+        seen.append((time.perf_counter() - t0) * 1e3)
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    executor.shutdown()
+    return sorted(seen)
+
+
+@pytest.mark.parametrize("path", ["process_request", "control"])
+def test_admission_burst(benchmark, path):
+    frontend = GraphtapFrontend(SHAPE)
+    params = SamplingParams(max_tokens=8, hooks=HS)
+
+    def process(i: int) -> None:
+        p = params.clone()  # as InputProcessor.process_inputs does
+        if path == "control":
+            frontend._process(p, None, 256)
+        else:
+            frontend.process_request(f"r{i}", p, None, 256)
+        assert p.hooks is not None
+
+    runs: list[list[float]] = []
+    benchmark.pedantic(lambda: runs.append(asyncio.run(burst(process))), rounds=20)
+    benchmark.extra_info["first_seen_ms"] = round(statistics.median(r[0] for r in runs), 3)
+    benchmark.extra_info["32nd_seen_ms"] = round(statistics.median(r[31] for r in runs), 3)
+    assert all(len(r) == 64 for r in runs)
