@@ -79,7 +79,8 @@ class CaptureStep(LabelledStep):
 
     def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:
         """The rows `keep` marks (all: None), per request: per output format one pack of
-        its sites (pack.py), each a view of one copy made for the whole step."""
+        its sites (pack.py), a site with SOLO_BYTES of rows or more on its own, each a
+        view of one copy made for the whole step."""
         # Copies out of the pinned step buffer (a view would keep it from going back to
         # the caching host allocator) of the bytes returned only, one per output format:
         # its rows gathered in request order (the device writes them site-major), so
