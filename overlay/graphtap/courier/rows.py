@@ -99,8 +99,7 @@ class CaptureStep(LabelledStep):
         for fmt, members in packs.items():
             # by request (slot), its packed sites first (one slice), then its solo ones
             members.sort()
-            slot, solo, site, start, n = (np.fromiter((m[k] for m in members), np.int64,
-                                                      len(members)) for k in range(5))
+            slot, solo, site, start, n = np.array([m[:5] for m in members], np.int64).T
             at = np.repeat(start, n) + ramp(n)  # the rows in the sorted labels, in order
             data = self._gather(perm[at], fmt)
             positions = labels[at, POSITION].astype(np.int64)
@@ -113,30 +112,21 @@ class CaptureStep(LabelledStep):
                 index = torch.from_numpy(packed_index(
                     p_n, sites, rows, positions[np.repeat(packed, n)])).split(
                         (sites + rows).tolist())
-            # the data's pieces: per request its pack (if any), then each solo site
-            sizes, pieces, i = [], [], 0
-            while i < len(members):
-                if solo[i]:
-                    sizes.append(int(n[i]))
-                    pieces.append((members[i][5], [i]))
-                    i += 1
-                    continue
-                j = i
-                while j < len(members) and slot[j] == slot[i] and not solo[j]:
-                    j += 1
-                sizes.append(int(n[i:j].sum()))
-                pieces.append((members[i][5], list(range(i, j))))
-                i = j
+            # the data's pieces: per request its pack (if any), then each solo site (a
+            # piece starts at a new request and at every solo member)
+            firsts = np.flatnonzero(np.r_[True, (slot[1:] != slot[:-1]) | (solo[1:] != 0)])
+            sizes = np.add.reduceat(n, firsts).tolist()
             parts = data.split(sizes)
             pos = torch.from_numpy(positions).split(sizes)
             packs_seen = 0
-            for (req, group), rows_part, pos_part in zip(pieces, parts, pos):
-                chunk = out.setdefault(req, {})
-                if solo[group[0]]:  # its own tensor: it reaches the frontend as its own
-                    name = self.site_names[members[group[0]][2]]
+            for first, end, rows_part, pos_part in zip(
+                    firsts.tolist(), np.r_[firsts[1:], len(members)].tolist(), parts, pos):
+                chunk = out.setdefault(members[first][5], {})
+                if solo[first]:  # its own tensor: it reaches the frontend as its own
+                    name = self.site_names[members[first][2]]
                     chunk[name], chunk[positions_key(name)] = rows_part, pos_part
                     continue
-                key = pack_key([self.site_names[members[k][2]] for k in group])
+                key = pack_key([self.site_names[m[2]] for m in members[first:end]])
                 chunk[key], chunk[positions_key(key)] = rows_part, index[packs_seen]
                 packs_seen += 1
         return out
