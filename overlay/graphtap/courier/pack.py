@@ -28,6 +28,16 @@ def pack_key(names: list[str]) -> str:
     return PACK + ",".join(names)
 
 
+def pack(names: list[str], rows: list[torch.Tensor],
+         positions: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """One request's pack of sites, built from its pieces (a copy): the rows tensor and
+    its index (the rows of each site, then every row's position)."""
+    key = pack_key(names)
+    counts = np.array([len(p) for p in positions], np.int64)
+    index = np.concatenate([counts, *positions]).astype(np.int64)
+    return {key: torch.cat(rows), positions_key(key): torch.from_numpy(index)}
+
+
 def row_bytes(fmt) -> int:
     """Bytes of one row in an output format (courier.rows.RowFormat)."""
     dtype, width, heads, head_dim = fmt

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from graphtap.courier.chunks import positions_key, ragged_key
-from graphtap.courier.pack import pack_key
+from graphtap.courier.pack import pack
 from graphtap.courier.snapshot import LabelledStep
 from graphtap.ops.tables import Label
 
@@ -82,15 +81,10 @@ class MassStep(LabelledStep):
             fmt = self.formats[slot][site]
             data = rows[:, :fmt.spans].reshape(-1, fmt.heads, fmt.spans)
             found.setdefault(req, {}).setdefault(fmt, []).append(
-                (self.site_names[site], data, labels[::fmt.heads, POSITION]))
+                (self.site_names[site], data.to(torch.float32), labels[::fmt.heads, POSITION]))
         out: dict[str, dict[str, torch.Tensor]] = {}
         for req, packs in found.items():
             chunk = out[req] = {}
-            for sites in packs.values():
-                key = pack_key([name for name, _, _ in sites])
-                # cat copies: nothing here views the pinned step buffer
-                chunk[key] = torch.cat([data for _, data, _ in sites]).to(torch.float32)
-                counts = np.array([len(pos) for _, _, pos in sites], np.int64)
-                chunk[positions_key(key)] = torch.from_numpy(
-                    np.concatenate([counts, *(pos for _, _, pos in sites)]).astype(np.int64))
+            for sites in packs.values():  # pack's cat copies: no view of the step buffer
+                chunk.update(pack(*map(list, zip(*sites))))
         return out
