@@ -5,6 +5,7 @@ import torch
 from graphtap.courier import CaptureStep, RowFormat, StepRows
 from graphtap.courier.chunks import OverflowKind
 from graphtap.courier.pack import unpack
+from graphtap.courier.payload import seal
 from graphtap.frontend import GraphtapFrontend
 from graphtap.outputs import HookOutputs
 from graphtap.spec import ModelShape
@@ -26,8 +27,8 @@ def step(rows, labels, count, slot_to_req, formats, names, capacity=100):
 
 def finished(rows, pos):
     return GraphtapFrontend(SHAPE).finish_outputs(
-        "r", [{SITE: rows[:2], f"{SITE}@positions": pos[:2]},
-              {SITE: rows[2:], f"{SITE}@positions": pos[2:]}])
+        "r", [seal({SITE: rows[:2], f"{SITE}@positions": pos[:2]}),
+              seal({SITE: rows[2:], f"{SITE}@positions": pos[2:]})])
 
 
 def test_rows_in_position_order_and_the_last_repeat_wins():
@@ -62,7 +63,7 @@ def test_results_own_their_storage():
     """A one-chunk capture that is a view of a whole step must not keep the step alive."""
     step = torch.randn(100, 8)
     out = GraphtapFrontend(SHAPE).finish_outputs(
-        "r", [{SITE: step[10:13], f"{SITE}@positions": torch.tensor([4, 5, 6])}])
+        "r", [seal({SITE: step[10:13], f"{SITE}@positions": torch.tensor([4, 5, 6])})])
     assert out[SITE].untyped_storage().nbytes() == 3 * 8 * 4
     torch.testing.assert_close(out[SITE], step[10:13])
 

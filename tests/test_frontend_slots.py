@@ -6,6 +6,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.outputs import HookPayload
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
 
@@ -21,7 +22,7 @@ class Recorder(HookFrontend):
 
     def finish_outputs(self, request_id, chunks, num_tokens):
         self.calls.append(("finish", request_id, num_tokens))
-        return {"rows": torch.cat([c["rows"] for c in chunks])}
+        return {"rows": torch.cat([c.frames["rows"] for c in chunks])}
 
 
 def request(rid: str) -> EngineCoreRequest:
@@ -34,7 +35,7 @@ def request(rid: str) -> EngineCoreRequest:
 
 def run(proc: OutputProcessor, rid: str):
     proc.add_request(request(rid), None)
-    chunk = lambda v: {"rows": torch.full((1, 2), v)}  # noqa: E731
+    chunk = lambda v: HookPayload(frames={"rows": torch.full((1, 2), v)})  # noqa: E731
     proc.process_outputs([EngineCoreOutput(request_id=rid, new_token_ids=[7],
                                            hook_outputs=[chunk(1.0)])])
     done = proc.process_outputs([EngineCoreOutput(
@@ -54,7 +55,7 @@ def test_each_engine_finishes_its_requests_with_its_own_frontend():
     assert torch.equal(out_a.hooks["rows"], torch.tensor([[1.0] * 2, [2.0] * 2, [3.0] * 2]))
     # the plain engine's no-op frontend returns the chunks as they came (nothing asked
     # for them: an engine without a hook manager never gets any)
-    assert [c["rows"][0, 0].item() for c in out_b.hooks] == [1.0, 2.0, 3.0]
+    assert [c.frames["rows"][0, 0].item() for c in out_b.hooks] == [1.0, 2.0, 3.0]
     # and a request that sent none gets None from it, as stock vLLM gives
     b.add_request(request("bare"), None)
     bare = b.process_outputs([EngineCoreOutput(request_id="bare", new_token_ids=[7, 8],

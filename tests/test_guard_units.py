@@ -23,12 +23,15 @@ def spec(**kw):
     return normalise(parse_spec(kw), SHAPE)
 
 
-def test_vllm_reads_the_same_finish_key():
-    from vllm.v1.worker.gpu.hooks import HOOK_FINISH, hook_finishes
+def test_vllm_finishes_a_request_whose_sealed_chunk_holds_the_finish_key():
+    from vllm.v1.worker.gpu.hooks import hook_finishes
 
-    assert HOOK_FINISH == FINISH
-    assert hook_finishes({"r": {FINISH: torch.ones(1)}}, "r")
-    assert not hook_finishes({"r": {}}, "r") and not hook_finishes(None, "r")
+    from graphtap.courier.payload import open_payload, seal
+
+    stop = seal({FINISH: torch.ones(1, dtype=torch.int8), "x": torch.ones(2)})
+    assert hook_finishes({"r": stop}, "r") and FINISH in open_payload(stop)
+    assert not hook_finishes({"r": seal({"x": torch.ones(2)})}, "r")
+    assert not hook_finishes({"r": seal({})}, "r") and not hook_finishes(None, "r")
 
 
 def test_guard_entries():

@@ -11,6 +11,7 @@ from vllm import SamplingParams
 from graphtap.courier import assemble
 from graphtap.courier.chunks import HELD, positions_key
 from graphtap.courier.held import Ending, HeldRows, StepBatch
+from graphtap.courier.payload import open_payload, seal
 from graphtap.spec.entries import GuardEntry
 
 NAME = "probe:blocks.1.hook_resid_post"
@@ -119,9 +120,9 @@ def test_a_chunk_without_rows_serialises_through_vllm():
     chunks = h.flush(["a", "b"], {"a": 3, "b": 5})
     assert chunks["a"][NAME].shape == (0, 2) and chunks["a"][positions_key(NAME)].shape == (0,)
     out = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id=r, new_token_ids=[1],
-                                                      hook_outputs=[c])
+                                                      hook_outputs=[seal(c)])
                                      for r, c in chunks.items()])
     back = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(out))
-    got = {o.request_id: o.hook_outputs[0] for o in back.outputs}
+    got = {o.request_id: open_payload(o.hook_outputs[0]) for o in back.outputs}
     assert got["a"][positions_key(NAME)].numel() == 0
     assert got["b"][positions_key(NAME)].tolist() == [4]

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from graphtap.courier import CaptureStep, RowFormat, StepRows
 from graphtap.courier.chunks import OverflowKind
 from graphtap.courier.pack import PACK, pack_key, packed_index, unpack
+from graphtap.courier.payload import open_payload, seal
 
 HS = {s: f"blocks.{s}.hook_resid_post" for s in range(3)}
 
@@ -67,7 +68,7 @@ def test_a_pack_whose_counts_do_not_add_up_fails_that_request_with_the_reason():
     shape = ModelShape(num_layers=1, hidden_size=4, max_model_len=8, configured_sites=set(),
                        max_steers=1, max_vectors=1, max_captures=1, num_heads=1,
                        num_kv_heads=1, save_root=None)
-    out = GraphtapFrontend(shape).finish_outputs("r", [bad])
+    out = GraphtapFrontend(shape).finish_outputs("r", [seal(bad)])
     assert "could not assemble" in out.error and "counts" in out.error
 
 
@@ -137,10 +138,10 @@ def test_large_sites_travel_alone_and_the_frontend_keeps_them_without_a_copy():
     assert set(out["r1"]) == {pack_key([names[0]]), f"{pack_key([names[0]])}@positions",
                               names[1], f"{names[1]}@positions"}
     sent = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id=r, new_token_ids=[1],
-                                                       hook_outputs=[c]) for r, c in out.items()])
+                                                       hook_outputs=[seal(c)]) for r, c in out.items()])
     back = MsgpackDecoder(EngineCoreOutputs).decode(
         [bytes(f) for f in MsgpackEncoder().encode(sent)])
-    chunk = back.outputs[1].hook_outputs[0]
+    chunk = open_payload(back.outputs[1].hook_outputs[0])
     done = assemble([chunk])
     k = rows[2 + k_rows:2 + 2 * k_rows, :4 * hd].reshape(k_rows, 4, hd)
     assert torch.equal(done[names[1]], k) and done.positions[names[1]].tolist() == list(range(k_rows))

@@ -138,7 +138,7 @@ class Engine:
         part.to_cpu_nonblocking()
         step = SimpleNamespace(req_ids=list(sampled), sampled_token_ids=[[t] for t in
                                                                          sampled.values()])
-        return StepSnapshots([part], batch=StepBatch.of(batch)).per_request(step)
+        return StepSnapshots([part], batch=StepBatch.of(batch)).chunks(step)
 
 
 def want(positions):

@@ -198,7 +198,7 @@ def test_family_scores_and_splits_per_request():
     for tok, comes in ((3, False), (7, True)):
         step = fam.snapshot()
         step.to_cpu_nonblocking()
-        got = StepSnapshots([step], batch=StepBatch(["a"], np.array([4]))).per_request(
+        got = StepSnapshots([step], batch=StepBatch(["a"], np.array([4]))).chunks(
             sampled(tok))
         assert ("a" in got) == comes
     rows = got["a"][f"probe:{SITE}"]

@@ -12,6 +12,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from graphtap.courier.pack import unpack
+from graphtap.courier.payload import open_payload, seal
 from test_bench_ops import step_snapshot
 
 # hs: resid_post at 3 layers, the last prompt token (8 KiB rows); qk: q at the last
@@ -31,10 +32,10 @@ def test_deliver_step(benchmark, load, reqs):
                                                      LOADS[load][0]).per_request()
     outputs = EngineCoreOutputs(outputs=[
         EngineCoreOutput(request_id=f"r{r}", new_token_ids=[5],
-                         hook_outputs=[chunks[f"r{r}"]] if chunks else None)
+                         hook_outputs=[seal(chunks[f"r{r}"])] if chunks else None)
         for r in range(reqs)])
     back = benchmark(deliver, MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs), outputs)
     assert len(back.outputs) == reqs
     if chunks:
-        sent, got = unpack(chunks["r0"]), unpack(back.outputs[0].hook_outputs[0])
+        sent, got = unpack(chunks["r0"]), unpack(open_payload(back.outputs[0].hook_outputs[0]))
         assert sent.keys() == got.keys() and all(torch.equal(sent[k], got[k]) for k in sent)

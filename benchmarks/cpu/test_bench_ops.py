@@ -13,6 +13,7 @@ import torch
 
 from graphtap.courier import CaptureStep, OverflowKind, RowFormat, StepRows, columns
 from graphtap.courier.pack import unpack
+from graphtap.courier.payload import open_payload
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.families.steer import SteerFamily
 from graphtap.engine.families.vectors import VectorBank
@@ -323,6 +324,7 @@ def test_probe_ring_finish_step(benchmark, reqs):
 
     got = benchmark.pedantic(lambda snap, o: snap.per_request(o), setup=admitted, rounds=50)
     assert len(got) == reqs
+    got = {r: open_payload(p) for r, p in got.items()}  # as the frontend reads them
     assert all(ERROR not in c and len(c["probe:blocks.16.hook_resid_post"]) == out
                for c in got.values())
 

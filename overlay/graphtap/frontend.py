@@ -15,6 +15,7 @@ from vllm.v1.worker.gpu.hooks import HookFrontend
 
 from graphtap.config import HookConfig
 from graphtap.courier import Saver, assemble
+from graphtap.courier.payload import open_payload
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)
@@ -190,8 +191,8 @@ class GraphtapFrontend(HookFrontend):
         try:
             # probes hold their rows on the worker until the request may finish
             held = num_tokens - 1 if spec is not None and spec.probe else None
-            out = assemble(chunks, spec.guard if spec is not None else None, prompt_len,
-                           held)
+            out = assemble([open_payload(c) for c in chunks],
+                           spec.guard if spec is not None else None, prompt_len, held)
         except Exception as e:
             logger.exception("graphtap: assembling request %s's hook outputs", request_id)
             return HookOutputs(error=f"hooks: graphtap could not assemble this request's "

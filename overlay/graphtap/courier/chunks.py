@@ -1,6 +1,6 @@
 """The courier's chunk schema: what one step's split hands each request (name -> CPU
-tensor, through vLLM's typed msgpack path as zero-copy frames), and the typed overflow
-error that replaces a request's rows when they could not all be kept."""
+tensor; sealed for the hop to the frontend by payload.py), and the typed overflow error
+that replaces a request's rows when they could not all be kept."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ import torch
 OVERFLOW = "graphtap:overflow"  # key of an overflow report in a chunk
 ERROR = "graphtap:error"  # key of a worker's refusal of a request (UTF-8 bytes)
 HELD = "graphtap:held"  # a held family's chunk: [positions computed when it was sent]
-FINISH = "hooks:finish"  # vLLM's HOOK_FINISH (patch 0007): the scheduler finishes it
+FINISH = "hooks:finish"  # sealed as HookPayload.finish (patch 0007): the scheduler finishes it
 
 
 def error_tensor(message: str) -> torch.Tensor:

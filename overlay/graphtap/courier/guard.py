@@ -1,7 +1,7 @@
 """Runtime guards, in the worker as each step's rows arrive on the host (after the copy,
 on the output thread: never on the step's critical path): a request whose stopping guard
-flags gets the FINISH key in the step's chunk, on which vLLM's scheduler finishes it
-(finish_reason "guard", patch 0007). The verdict a request returns (the first flagged
+flags gets the FINISH key in the step's chunk (its payload's `finish`), on which vLLM's
+scheduler finishes it (finish_reason "guard", patch 0007). The verdict a request returns (the first flagged
 row, else the extreme score) is the frontend's, from the rows it returns (assemble.py):
 nothing per step travels for it."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""A request's capture rows of one step as few tensors: vLLM's msgpack path from the
-engine core to the frontend costs per tensor (and per frame, one per tensor over 256
-bytes), so a request capturing 3 sites sent 6 tensors a step, and 64 of them added ~6 ms
-to their first token on the H200 (benchmarks/cpu/test_bench_delivery.py measures it).
+"""A request's capture rows of one step as few tensors: each costs its own entry on the
+way to the frontend (payload.py; when every value was a tensor on vLLM's msgpack path, a
+request capturing 3 sites sent 6 a step, and 64 of them added ~6 ms to their first token
+on the H200: benchmarks/cpu/test_bench_delivery.py measures the hop).
 
 Per output format, one rows tensor holds the request's sites one after another, keyed
 `PACK` + the site names in that order; `positions_key` of that key holds an int64 index:

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.v1.outputs import HookPayload
+
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
+from graphtap.courier.payload import seal
 from graphtap.ops.tables import Label
 from graphtap.profiling import named
 
@@ -39,9 +42,17 @@ class StepSnapshots:
             for part in self.parts:
                 part.to_cpu_nonblocking()
 
-    def per_request(self, step=None) -> dict[str, dict[str, torch.Tensor]]:
-        """`step`: the step's ModelRunnerOutput (sampled tokens), which says what held
-        rows go home now (courier/held.py); without it every held request's do."""
+    def per_request(self, step=None) -> dict[str, HookPayload]:
+        """What each request of the step gets (vLLM's HookStepOutput): its chunk sealed
+        as it travels (payload.py)."""
+        chunks = self.chunks(step)
+        with named("graphtap.seal"):
+            return {req: seal(chunk) for req, chunk in chunks.items()}
+
+    def chunks(self, step=None) -> dict[str, dict[str, torch.Tensor]]:
+        """Each request's outputs of the step, name -> tensor. `step`: the step's
+        ModelRunnerOutput (sampled tokens), which says what held rows go home now
+        (courier/held.py); without it every held request's do."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         with named("graphtap.per_request"):
             for part in self.parts:
