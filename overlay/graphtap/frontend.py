@@ -14,8 +14,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
 from graphtap.config import HookConfig
-from graphtap.courier import Saver, assemble
-from graphtap.courier.payload import open_payload
+from graphtap.courier import Saver, assemble, open_payload
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)

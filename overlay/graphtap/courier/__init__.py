@@ -4,10 +4,11 @@ stream, are split per request once there, and become a finished request's
 from graphtap.courier.assemble import assemble
 from graphtap.courier.chunks import Overflow, OverflowKind, RequestErrors
 from graphtap.courier.patterns import PatternFormat, PatternStep
+from graphtap.courier.payload import open_payload, seal
 from graphtap.courier.rows import CaptureStep, RowFormat, columns
 from graphtap.courier.save import Saver
 from graphtap.courier.snapshot import LabelledStep, StepRows, StepSnapshots
 
 __all__ = ["CaptureStep", "LabelledStep", "Overflow", "OverflowKind", "PatternFormat",
            "PatternStep", "RequestErrors", "RowFormat", "Saver", "StepRows", "StepSnapshots", "assemble",
-           "columns"]
+           "columns", "open_payload", "seal"]
