@@ -56,6 +56,8 @@ class VectorRegistry:
         self._vectors: dict[str, NamedVector] = {}
         self._probes: dict[str, NamedProbe] = {}
         self._lock = threading.Lock()
+        # bumped by every change: what a spec that names vectors normalises to changes
+        self.generation = 0
 
     def check(self, name: str, values) -> NamedVector:
         """The vector `values` would register as `name`; ValueError naming what is wrong."""
@@ -84,9 +86,11 @@ class VectorRegistry:
                                  f"(hook_config.max_registered_vectors)")
             for v in vectors:
                 self._vectors[v.name] = v
+            self.generation += 1
 
     def delete(self, name: str) -> bool:
         with self._lock:
+            self.generation += 1
             return self._vectors.pop(name, None) is not None
 
     def get(self, name: str) -> NamedVector | None:
@@ -149,6 +153,7 @@ class VectorRegistry:
         with self._lock:
             for p in probes:
                 self._probes[p.name] = p
+            self.generation += 1
         return len(vectors) + len(probes)
 
     def _probe_file(self, path: Path) -> NamedProbe | None:

@@ -1,0 +1,72 @@
+"""The frontend remembers normalised specs (GraphtapFrontend._normalised): a remembered
+spec must never let through what validation refuses, nor keep a vector name's old
+meaning once the registry changed."""
+import math
+
+import numpy as np
+import pytest
+
+from graphtap.frontend import SPEC_CACHE, SPEC_CACHE_BYTES, GraphtapFrontend
+from test_spec_guards import SHAPE, _Params, steer
+
+CAPTURE = {"capture": [{"site": "blocks.1.hook_resid_post", "positions": "last_prompt"}]}
+
+
+def process(fe, hooks, prompt_len=5):
+    params = _Params(hooks)
+    salt = fe.process_request("r", params, None, prompt_len)
+    return params.hooks, salt
+
+
+def test_the_same_spec_is_normalised_once_and_gives_the_same_request():
+    fe = GraphtapFrontend(SHAPE)
+    first = process(fe, CAPTURE)
+    assert len(fe._specs) == 1
+    again = process(fe, {"capture": [dict(CAPTURE["capture"][0])]})  # equal, not the same
+    assert again == first and len(fe._specs) == 1
+    # the prompt length still counts per request (here the response size)
+    prompt = {"capture": [{"site": "blocks.1.hook_resid_post", "positions": "prompt"}]}
+    assert process(fe, prompt, prompt_len=5) != process(fe, prompt, prompt_len=9)
+    assert len(fe._specs) == 2
+
+
+@pytest.mark.parametrize("good, bad, field", [
+    # what other encodings would merge: NaN and null (JSON), a tuple and a list, True and 1
+    (steer(scale=1.0), steer(scale=math.nan), "hooks.steer[0].scale"),
+    (CAPTURE, {"capture": (CAPTURE["capture"][0],)}, "hooks.capture"),
+    (steer(scale=1), steer(scale=True), "hooks.steer[0].scale"),
+])
+def test_a_remembered_spec_never_lets_through_what_validation_refuses(good, bad, field):
+    fe = GraphtapFrontend(SHAPE)
+    process(fe, good)  # remembered
+    for _ in range(2):
+        with pytest.raises(ValueError) as e:
+            process(fe, bad)
+        assert str(e.value).startswith(field), str(e.value)
+
+
+def test_a_vector_name_resolves_again_after_the_registry_changed():
+    fe = GraphtapFrontend(SHAPE)
+    named = steer(vector="calm")
+    with pytest.raises(ValueError, match="calm"):
+        process(fe, named)
+    fe.vectors.register([fe.vectors.check("calm", np.ones(8))])
+    one, _ = process(fe, named)
+    fe.vectors.register([fe.vectors.check("calm", np.full(8, 2.0))])
+    two, _ = process(fe, named)
+    assert one != two  # the new vector's content, not the remembered one
+    fe.vectors.delete("calm")
+    with pytest.raises(ValueError, match="calm"):
+        process(fe, named)
+
+
+def test_specs_that_are_not_plain_data_are_normalised_each_time_and_the_cache_is_bounded():
+    fe = GraphtapFrontend(SHAPE)
+    process(fe, steer(vector=np.ones(8, np.float32)))
+    assert not fe._specs
+    wide = GraphtapFrontend(SHAPE.model_copy(update={"hidden_size": 8192}))
+    process(wide, steer(vector=[0.5] * 8192))  # 73 KB of msgpack
+    assert SPEC_CACHE_BYTES < 73 << 10 and not wide._specs
+    for i in range(SPEC_CACHE + 5):
+        process(fe, steer(scale=1.0 + i / 1000))
+    assert len(fe._specs) == SPEC_CACHE
