@@ -198,14 +198,16 @@ def _sink_check(group: dict) -> str:
 def _ttft(group: dict) -> str:
     """Per file, load and mode: TTFT of bursts (tpot_stats.ttft_by_position)."""
     lines = ["| file | load | mode | reps | TTFT median (ms) | vs idle, paired by position "
-             "(ms) | ms per admitted request | admit / queue / prefill / deliver (ms) | "
+             "(ms) [95 % interval over repetitions] | ms per admitted request | admit / queue / prefill / deliver (ms) | "
              "the same, paired vs idle (ms) |",
              "|---" * 9 + "|"]
     for name in group["files"]:
         d = json.loads((RESULTS / name).read_text())
         for load, modes in ttft_by_position(d["runs"]).items():
             for mode, f in modes.items():
-                paired = "–" if mode == "idle" else f"{f['paired_ms']:+.1f}"
+                ci = f.get("paired_ci95_ms")
+                paired = "–" if mode == "idle" else f"{f['paired_ms']:+.1f}" + (
+                    f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "")
                 ph = f["phases_ms"]  # recorded since the end of session 18
                 phases = "–" if ph is None else " / ".join(f"{ph[k]:.1f}" for k in PHASES)
                 pp = f["phases_paired_ms"]

@@ -200,6 +200,9 @@ async def bench(args) -> dict:
         result["link"] = link_probe()
     try:
         await run_rate(engine, args, cfg, max(args.rates or [8.0]), -1, None)  # warm-up only
+        # and a burst of each size (session 21: the first 64 at once ran ~50 ms slow)
+        for burst in [] if args.quick else args.bursts:
+            await run_rate(engine, args, cfg, 1.0, -1, None, burst)
         # As `vllm serve` does after start (server_utils): the frontend's static objects
         # leave the collector's reach, so its pauses do not scan them (the engine core
         # freezes its own heap). Pauses that remain are counted per run.

@@ -115,7 +115,8 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
     over repetitions of a least-squares fit per run, is the time each request adds, the
     per-request admission cost included; `paired_ms`, request i's TTFT in the mode
     minus request i's in `base` in the same repetition, median over positions and
-    repetitions, is the mode's added latency at equal position; `median_ms` is the
+    repetitions, is the mode's added latency at equal position (`paired_ci95_ms`: its
+    95 % interval over repetitions); `median_ms` is the
     median of the runs' medians; `phases_ms`, per phase (ttft_phases) the median over
     the requests of every repetition, where the runs recorded them, and `phases_paired_ms`
     each phase paired by position like `paired_ms` (whole-burst phase medians move by tens
@@ -132,6 +133,7 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
     for (load, mode), reps in sorted(by.items()):
         ref = by.get((load, base), {})
         paired = [a - b for a, b in _by_position(reps, ref)]
+        by_rep = [[a - b for a, b in _by_position({rep: t}, ref)] for rep, t in reps.items()]
         slopes = [float(np.polyfit(np.arange(len(t)), t, 1)[0]) for t in reps.values()
                   if None not in t and len(t) > 1]
         phases = [p for t in phases_by.get((load, mode), {}).values() for p in t if p]
@@ -140,12 +142,26 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
             "median_ms": statistics.median(statistics.median(x for x in t if x is not None)
                                            for t in reps.values()),
             "paired_ms": statistics.median(paired) if paired else None,
+            "paired_ci95_ms": _rep_bootstrap([r for r in by_rep if r]) if paired else None,
             "slope_ms": statistics.median(slopes) if slopes else None,
             "phases_ms": {k: statistics.median(p[k] for p in phases)
                           for k in PHASES} if phases else None,
             "phases_paired_ms": _paired_phases(phases_by.get((load, mode), {}),
                                                phases_by.get((load, base), {}))}
     return out
+
+
+def _rep_bootstrap(by_rep: list[list[float]], n: int = 1000, seed: int = 0) -> list[float]:
+    """95 % interval of the pooled median paired difference (ms), resampling whole
+    repetitions (a burst's requests share one engine state: its TTFTs move together by
+    tens of ms between repetitions, so resampling requests would claim a precision the
+    runs do not have)."""
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median([x for i in rng.choices(range(len(by_rep)), k=len(by_rep))
+                           for x in by_rep[i]])
+        for _ in range(n))
+    return [round(medians[int(0.025 * n)], 2), round(medians[int(0.975 * n) - 1], 2)]
 
 
 def _paired_phases(reps: dict[int, list], ref: dict[int, list]) -> dict | None:
