@@ -71,10 +71,15 @@ class WantTable:
             return None
         if not self._by_slot:
             return np.zeros(len(w.slots), np.int64)
-        start, end, rule, rule_slot, per = self._table()
+        start, end, rule, rule_slot, per, last = self._table()
         if not len(rule_slot):
             return np.zeros(len(w.slots), np.int64)
         slots, lo, tokens = w.slots, w.lo, w.tokens
+        # every request past its last wanted position (decoding past a last-prompt
+        # capture): none wants a row, in 3 operations instead of the pass's 15
+        known = slots < len(last)
+        if not (lo[known] < last[slots[known]]).any():
+            return np.zeros(len(slots), np.int64)
         hi = np.minimum(w.hi, self._max_len)
         size = max(int(slots.max(initial=0)), int(rule_slot.max())) + 1
         lo_s, hi_s, tok_s = (np.zeros(size, np.int64) for _ in range(3))
@@ -96,8 +101,11 @@ class WantTable:
                     rule_slot.append(slot)
                     per.append(w)
             cat = (lambda a: np.concatenate(a) if a else np.zeros(0, np.int64))  # noqa: E731
-            self._flat = (cat(starts), cat(ends), cat(rules), np.array(rule_slot, np.int64),
-                          np.array(per, np.int64))
+            starts, ends, rules = cat(starts), cat(ends), cat(rules)
+            rule_slot = np.array(rule_slot, np.int64)
+            last = np.zeros(int(rule_slot.max(initial=-1)) + 1, np.int64)  # per slot
+            np.maximum.at(last, rule_slot[rules], ends)
+            self._flat = (starts, ends, rules, rule_slot, np.array(per, np.int64), last)
         return self._flat
 
 
