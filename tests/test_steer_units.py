@@ -5,6 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphtap.frontend import GraphtapFrontend
 from graphtap.ops.steer import steer_reference
@@ -154,6 +156,16 @@ def test_position_bitmap():
     assert bits("last_prompt") == [4]
     assert bits({"start": 30, "end": 34}) == [30, 31, 32, 33]
     assert bits([12, 33, 39]) == [12, 33, 39]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 95), max_size=20), st.integers(1, 3))
+def test_position_bitmap_sets_bit_j_of_word_w_for_position_32w_plus_j(positions, words):
+    positions = sorted({p for p in positions if p < 32 * words})
+    w = position_bitmap(positions, 1, 32 * words, words)
+    assert w.dtype == np.int32 and w.shape == (words,)
+    assert [p for p in range(32 * words) if (int(w.view(np.uint32)[p // 32]) >> (p % 32)) & 1] \
+        == positions
 
 
 SHAPE = ModelShape(num_layers=4, hidden_size=8, max_model_len=64, max_steers=3, max_vectors=2,

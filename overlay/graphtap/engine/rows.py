@@ -91,13 +91,17 @@ class RowFamily(FamilyBase):
         self.reset_slot(slot)
         self._table.drop(slot)
         site, pos = self.slots.host_view(f.site)[slot], self.slots.host_view(f.pos)[slot]
-        formats, wanted = {}, Wants(self.max_len)
+        formats, wanted, bitmaps = {}, Wants(self.max_len), {}
         entries = self.entries(spec)
         for i, entry in enumerate(entries):
             sid = self.sites.id_of(entry.layer, self.kind_of(entry))
             dtype = self.model_dtype if entry.dtype == "model" else torch.float32
             site[i] = sid
-            pos[i] = position_bitmap(entry.positions, prompt_len, self.max_len, pos.shape[1])
+            rule = repr(entry.positions)  # entries mostly share one rule: one bitmap
+            if rule not in bitmaps:
+                bitmaps[rule] = position_bitmap(entry.positions, prompt_len, self.max_len,
+                                                pos.shape[1])
+            pos[i] = bitmaps[rule]
             self.write_extra(slot, i, entry)
             formats[sid], per_token = self.describe(entry, dtype)
             wanted.add(entry.positions, prompt_len, per_token)

@@ -28,9 +28,9 @@ def position_mask(rule, prompt_len: int, max_len: int, size: int | None = None) 
 
 
 def position_bitmap(rule, prompt_len: int, max_len: int, words: int) -> np.ndarray:
+    # bytes of 8 positions, least significant bit first, read as little-endian words
     mask = position_mask(rule, prompt_len, max_len, words * 32)
-    bits = mask.reshape(words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
-    return bits.sum(axis=1).astype(np.uint32).view(np.int32)
+    return np.packbits(mask, bitorder="little").view("<i4").astype(np.int32)
 
 
 def bitmap_words(max_len: int) -> int:
