@@ -141,7 +141,10 @@ class GraphtapFrontend(HookFrontend):
         does: 1 from 1.0 and True, NaN from null; a spec holding a tuple, bytes or a numpy
         array, which msgpack would write as a list or bytes, is normalised each time), and
         by the vector registry's generation (names may resolve differently)."""
-        text = msgspec.msgpack.encode(raw) if _plain(raw) else b""
+        try:
+            text = msgspec.msgpack.encode(raw) if _plain(raw) else b""
+        except OverflowError:  # an int past 64 bits: validation says what is wrong
+            text = b""
         if not text or len(text) > SPEC_CACHE_BYTES:
             return normalise(parse_spec(raw), self.shape, self.vectors)
         key = (text, self.vectors.generation)
