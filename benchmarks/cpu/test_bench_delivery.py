@@ -1,11 +1,14 @@
 """CPU benchmark of the deliver phase of a capturing request's first token: one step's
-per-request chunks (CaptureStep.per_request, as the worker makes them) carried by
-vLLM's EngineCoreOutputs through its own msgpack encoder and decoder, the path from the
-engine core to the frontend (the ZMQ hop itself left out; frames are copied once, as
-a receive would). Issue 18: on the H200, requests capturing with their prefill step
-reach their first token later than idle ones, deliver +6 ms for 64 hs requests and +18
-ms for 64 qk ones (benchmarks/results/README.md, `llama3-8b-ttft`); this is the part of
-it that a change to the chunks' layout moves, measured per step here."""
+per-request chunks (CaptureStep.per_request, as the worker makes them), sealed into
+HookPayloads (courier/payload.py) and carried by vLLM's EngineCoreOutputs through its
+own msgpack encoder and decoder, the path from the engine core to the frontend (the ZMQ
+hop itself left out; frames are copied once, as a receive would). Issue 18: on the
+H200, requests capturing with their prefill step reached their first token later than
+idle ones, deliver +6 ms for 64 hs requests and +18 ms for 64 qk ones in session 19
+(benchmarks/results/README.md, `llama3-8b-ttft`); this is the part of it that a change
+to the chunks' layout or their encoding moves, measured per step here. (Not measured
+here: beside a busy thread, each torch call of vLLM's tensor hooks could wait a switch
+interval for the GIL, which sealing removed.)"""
 import pytest
 import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
