@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.outputs import HookPayload
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from graphtap.courier.chunks import FINISH
@@ -50,13 +51,15 @@ def test_stride_zero_and_empty_values_travel():
 
 def test_small_values_ride_inside_the_message_large_ones_as_frames():
     """The regression: 64 requests of a decode step, each with a pack of 3 sites' rows
-    and its index, made 129 frames (a tensor each past 256 bytes, and msgpack hook calls
-    per tensor on both sides); now the message is one frame, and only a value of
-    INLINE_BYTES or more gets a frame of its own."""
+    and its index, made 65 frames (one per rows tensor past 256 bytes, then the message)
+    and 128 tensors' msgpack hook calls on each side; now the message is one frame, and
+    only a value of INLINE_BYTES or more gets a frame of its own."""
     small = [seal({"pack": torch.randn(3, 4096).to(torch.bfloat16),
                    "pack@positions": torch.tensor([1, 1, 1, 7, 7, 7])}) for _ in range(64)]
     _, frames = through_vllm(small)
     assert frames == 1
+    _, frames = through_vllm([HookPayload(frames=open_payload(p)) for p in small])
+    assert frames == 65  # the same values as tensors, as vLLM sent them before
     big = torch.randn(INLINE_BYTES // 4).reshape(-1, 64)  # exactly INLINE_BYTES
     payload = seal({"k": big, "k@positions": torch.arange(len(big))})
     assert list(payload.frames) == ["k"] and payload.frames["k"] is big
@@ -73,8 +76,6 @@ def test_a_guard_stop_becomes_the_payload_flag():
 
 
 def test_an_unknown_dtype_in_a_payload_is_refused_by_name():
-    from vllm.v1.outputs import HookPayload
-
     blob = msgspec.msgpack.encode({"x": Inline("__class__", (1,), bytearray(4))})
     with pytest.raises(ValueError, match="'x' has dtype '__class__'"):
         open_payload(HookPayload(inline=blob))

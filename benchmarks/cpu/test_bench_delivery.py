@@ -9,6 +9,9 @@ idle ones, deliver +6 ms for 64 hs requests and +18 ms for 64 qk ones in session
 to the chunks' layout or their encoding moves, measured per step here. (Not measured
 here: beside a busy thread, each torch call of vLLM's tensor hooks could wait a switch
 interval for the GIL, which sealing removed.)"""
+import threading
+import time
+
 import pytest
 import torch
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -42,3 +45,32 @@ def test_deliver_step(benchmark, load, reqs):
     if chunks:
         sent, got = unpack(chunks["r0"]), unpack(open_payload(back.outputs[0].hook_outputs[0]))
         assert sent.keys() == got.keys() and all(torch.equal(sent[k], got[k]) for k in sent)
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["tensors", "sealed"])
+def test_encode_beside_a_busy_thread(benchmark, sealed):
+    """The engine core encodes a step's outputs on its output thread while its busy loop
+    runs Python: vLLM's tensor hooks make torch calls that release the GIL, and each
+    release let the loop keep it for a while. 64 hs requests of one decode step, as
+    tensors (before payload.py) or sealed, encoded beside a thread that runs Python with
+    short waits (the loop's GPU syncs)."""
+    chunks = step_snapshot(64, 1, "dump").per_request()
+    outputs = EngineCoreOutputs(outputs=[
+        EngineCoreOutput(request_id=f"r{r}", new_token_ids=[5],
+                         hook_outputs=[seal(chunks[f"r{r}"]) if sealed else chunks[f"r{r}"]])
+        for r in range(64)])
+    encoder, stop = MsgpackEncoder(), threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            sum(range(20000))  # ~1 ms of Python
+            time.sleep(0.0002)
+
+    loop = threading.Thread(target=busy)
+    loop.start()
+    try:
+        frames = benchmark(lambda: encoder.encode_into(outputs, bytearray()))
+    finally:
+        stop.set()
+        loop.join()
+    assert len(frames) == (1 if sealed else 65)  # a frame per rows tensor, then the message
