@@ -145,19 +145,18 @@ class GraphtapFrontend(HookFrontend):
             text = msgspec.msgpack.encode(raw) if _plain(raw) else b""
         except OverflowError:  # an int past 64 bits: validation says what is wrong
             text = b""
-        if not text or len(text) > SPEC_CACHE_BYTES:
-            return normalise(parse_spec(raw), self.shape, self.vectors)
-        key = (text, self.vectors.generation)
-        with self._lock:
-            spec = self._specs.get(key)
-            if spec is not None:
-                self._specs.move_to_end(key)
-                return spec
+        key = (text, self.vectors.generation) if 0 < len(text) <= SPEC_CACHE_BYTES else None
+        if key is not None:
+            with self._lock:
+                if (spec := self._specs.get(key)) is not None:
+                    self._specs.move_to_end(key)
+                    return spec
         spec = normalise(parse_spec(raw), self.shape, self.vectors)  # may raise: not kept
-        with self._lock:
-            self._specs[key] = spec
-            if len(self._specs) > SPEC_CACHE:
-                self._specs.popitem(last=False)
+        if key is not None:
+            with self._lock:
+                self._specs[key] = spec
+                if len(self._specs) > SPEC_CACHE:
+                    self._specs.popitem(last=False)
         return spec
 
     def admit_request(self, request) -> None:
