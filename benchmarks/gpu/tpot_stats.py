@@ -96,16 +96,19 @@ def _pct(ratio: float) -> float:
     return round((ratio - 1) * 100, 2)
 
 
-def bootstrap_ci(by_rep: list[list[float]], n: int = 1000, seed: int = 0) -> list[float]:
-    """95 % interval of the pooled median ratio (in %), resampling whole repetitions: the
-    requests of one repetition met one host state and one batch mix, so they are not
-    independent, and resampling requests would claim a precision the runs do not have."""
+def bootstrap_ci(by_rep: list[list[float]], n: int = 1000, seed: int = 0,
+                 as_pct: bool = True) -> list[float]:
+    """95 % interval of the pooled median (of ratios, in %; as_pct False: of values, as
+    they are, e.g. ms), resampling whole repetitions: the requests of one repetition met
+    one host state and one batch mix, so they are not independent, and resampling
+    requests would claim a precision the runs do not have."""
     rng = random.Random(seed)  # seeded: a report reads the same twice
     medians = sorted(
         statistics.median([x for i in rng.choices(range(len(by_rep)), k=len(by_rep))
                            for x in by_rep[i]])
         for _ in range(n))
-    return [_pct(medians[int(0.025 * n)]), _pct(medians[int(0.975 * n) - 1])]
+    ends = medians[int(0.025 * n)], medians[int(0.975 * n) - 1]
+    return [_pct(x) if as_pct else round(x, 2) for x in ends]
 
 
 def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
@@ -132,8 +135,8 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
     out: dict[str, dict[str, dict]] = {}
     for (load, mode), reps in sorted(by.items()):
         ref = by.get((load, base), {})
-        paired = [a - b for a, b in _by_position(reps, ref)]
         by_rep = [[a - b for a, b in _by_position({rep: t}, ref)] for rep, t in reps.items()]
+        paired = [x for r in by_rep for x in r]
         slopes = [float(np.polyfit(np.arange(len(t)), t, 1)[0]) for t in reps.values()
                   if None not in t and len(t) > 1]
         phases = [p for t in phases_by.get((load, mode), {}).values() for p in t if p]
@@ -142,26 +145,14 @@ def ttft_by_position(runs: list[dict], base: str = "idle") -> dict:
             "median_ms": statistics.median(statistics.median(x for x in t if x is not None)
                                            for t in reps.values()),
             "paired_ms": statistics.median(paired) if paired else None,
-            "paired_ci95_ms": _rep_bootstrap([r for r in by_rep if r]) if paired else None,
+            "paired_ci95_ms": bootstrap_ci([r for r in by_rep if r], as_pct=False)
+            if paired else None,
             "slope_ms": statistics.median(slopes) if slopes else None,
             "phases_ms": {k: statistics.median(p[k] for p in phases)
                           for k in PHASES} if phases else None,
             "phases_paired_ms": _paired_phases(phases_by.get((load, mode), {}),
                                                phases_by.get((load, base), {}))}
     return out
-
-
-def _rep_bootstrap(by_rep: list[list[float]], n: int = 1000, seed: int = 0) -> list[float]:
-    """95 % interval of the pooled median paired difference (ms), resampling whole
-    repetitions (a burst's requests share one engine state: its TTFTs move together by
-    tens of ms between repetitions, so resampling requests would claim a precision the
-    runs do not have)."""
-    rng = random.Random(seed)
-    medians = sorted(
-        statistics.median([x for i in rng.choices(range(len(by_rep)), k=len(by_rep))
-                           for x in by_rep[i]])
-        for _ in range(n))
-    return [round(medians[int(0.025 * n)], 2), round(medians[int(0.975 * n) - 1], 2)]
 
 
 def _paired_phases(reps: dict[int, list], ref: dict[int, list]) -> dict | None:
