@@ -19,7 +19,7 @@ from graphtap.engine.tables import EntryFields
 from graphtap.engine.wanted import Wants, WantTable, positions_end, rows_in_step
 from graphtap.ops.tables import Label, RowTables
 from graphtap.spec.entries import NormalisedSpec
-from graphtap.spec.positions import position_bitmap
+from graphtap.spec.positions import mask_bitmap
 from graphtap.spec.sites import SiteTable
 
 
@@ -97,14 +97,13 @@ class RowFamily(FamilyBase):
             sid = self.sites.id_of(entry.layer, self.kind_of(entry))
             dtype = self.model_dtype if entry.dtype == "model" else torch.float32
             site[i] = sid
+            formats[sid], per_token = self.describe(entry, dtype)
+            mask = wanted.add(entry.positions, prompt_len, per_token)
             rule = repr(entry.positions)  # entries mostly share one rule: one bitmap
             if rule not in bitmaps:
-                bitmaps[rule] = position_bitmap(entry.positions, prompt_len, self.max_len,
-                                                pos.shape[1])
+                bitmaps[rule] = mask_bitmap(mask, pos.shape[1])
             pos[i] = bitmaps[rule]
             self.write_extra(slot, i, entry)
-            formats[sid], per_token = self.describe(entry, dtype)
-            wanted.add(entry.positions, prompt_len, per_token)
         if entries:
             self._formats[slot] = formats
             self._slot_of[req_id] = slot

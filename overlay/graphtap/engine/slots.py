@@ -26,6 +26,12 @@ def host_to_device(arr: np.ndarray | torch.Tensor, device: torch.device) -> torc
     return src.to(device, non_blocking=True)
 
 
+def _field_view(host: np.ndarray, f: "SlotField") -> np.ndarray:
+    """A field of an int32 host block [slots, width] as [slots, *shape] of its dtype."""
+    block = host if f.dtype == torch.int32 else host.view(_NP[f.dtype])
+    return block[:, f.offset:f.offset + f.size].reshape(block.shape[0], *f.shape)
+
+
 @dataclass(frozen=True)
 class SlotField:
     """A column range of the block: per slot, `shape` values of a 32-bit dtype."""
@@ -67,6 +73,7 @@ class SlotBlock:
             self.host_view(f)[:] = f.fill
         self.gpu = torch.from_numpy(self.host.copy()).to(device)
         self._dirty: set[int] = set()
+        self._resets: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def view(self, f: SlotField) -> torch.Tensor:
         """The device view of a field: [slots, *shape], strides (block width, ...)."""
@@ -74,15 +81,26 @@ class SlotBlock:
         return block[:, f.offset:f.offset + f.size].view(block.shape[0], *f.shape)
 
     def host_view(self, f: SlotField) -> np.ndarray:
-        block = self.host if f.dtype == torch.int32 else self.host.view(_NP[f.dtype])
-        return block[:, f.offset:f.offset + f.size].reshape(block.shape[0], *f.shape)
+        return _field_view(self.host, f)
 
     def reset(self, slot: int, fields: list[SlotField]) -> None:
         """A slot's fields back to inactive (a family rewrites its whole row per request,
-        so a reused slot inherits nothing)."""
-        for f in fields:
-            self.host_view(f)[slot] = f.fill
+        so a reused slot inherits nothing): one assignment of the fields' columns from
+        their inactive row, made once per field list (every request, idle ones too, goes
+        through each family's reset on admission: a view per field was most of it)."""
+        key = tuple(f.offset for f in fields)
+        cols, values = self._resets.get(key) or self._reset_row(key, fields)
+        self.host[slot, cols] = values
         self._dirty.add(slot)
+
+    def _reset_row(self, key: tuple[int, ...], fields: list[SlotField]):
+        row = np.zeros((1, self.host.shape[1]), dtype=np.int32)
+        for f in fields:
+            _field_view(row, f)[0] = f.fill
+        cols = np.concatenate([np.arange(f.offset, f.offset + f.size) for f in fields]) \
+            if fields else np.zeros(0, np.int64)
+        self._resets[key] = cols, row[0, cols]
+        return self._resets[key]
 
     def stage(self, slot: int) -> None:
         self._dirty.add(slot)

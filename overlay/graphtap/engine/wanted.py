@@ -21,7 +21,9 @@ class Wants:
         self._by_rule: dict[str, list] = {}  # repr(rule) -> [mask, rows per token]
         self.end = 0  # past the last wanted position: decoding past a probe costs nothing
 
-    def add(self, rule, prompt_len: int, rows_per_token: int) -> None:
+    def add(self, rule, prompt_len: int, rows_per_token: int) -> np.ndarray:
+        """Adds an entry's rule; returns the rule's mask over positions (the family's
+        bitmap is made from it: one mask per rule)."""
         key = repr(rule)
         if key not in self._by_rule:
             mask = position_mask(rule, prompt_len, self.max_len)
@@ -29,6 +31,7 @@ class Wants:
             wanted = np.flatnonzero(mask)
             self.end = max(self.end, int(wanted[-1]) + 1 if wanted.size else 0)
         self._by_rule[key][1] += rows_per_token
+        return self._by_rule[key][0]
 
     def rows_in(self, lo: int, hi: int, tokens: int) -> int:
         """Upper bound on rows from `tokens` tokens at positions within [lo, hi)."""
@@ -46,11 +49,13 @@ class WantTable:
 
     def __init__(self, max_len: int):
         self._max_len = max_len
-        self._by_slot: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}
+        # slot -> (runs of each rule: start, end, rows per token; Wants.end)
+        self._by_slot: dict[int, tuple[list[tuple[np.ndarray, np.ndarray, int]], int]] = {}
         self._flat: tuple[np.ndarray, ...] | None = None
 
     def set(self, slot: int, wants: Wants) -> None:
-        self._by_slot[slot] = [(*_runs(mask), per) for mask, per in wants._by_rule.values()]
+        self._by_slot[slot] = ([(*_runs(mask), per) for mask, per in wants._by_rule.values()],
+                               wants.end)
         self._flat = None
 
     def drop(self, slot: int) -> None:
@@ -93,7 +98,9 @@ class WantTable:
     def _table(self) -> tuple[np.ndarray, ...]:
         if self._flat is None:
             starts, ends, rules, rule_slot, per = [], [], [], [], []
-            for slot, runs in self._by_slot.items():
+            last = np.zeros(max(self._by_slot, default=-1) + 1, np.int64)  # per slot
+            for slot, (runs, end) in self._by_slot.items():
+                last[slot] = end
                 for s, e, w in runs:
                     rules.append(np.full(len(s), len(rule_slot), np.int64))
                     starts.append(s)
@@ -103,8 +110,6 @@ class WantTable:
             cat = (lambda a: np.concatenate(a) if a else np.zeros(0, np.int64))  # noqa: E731
             starts, ends, rules = cat(starts), cat(ends), cat(rules)
             rule_slot = np.array(rule_slot, np.int64)
-            last = np.zeros(int(rule_slot.max(initial=-1)) + 1, np.int64)  # per slot
-            np.maximum.at(last, rule_slot[rules], ends)
             self._flat = (starts, ends, rules, rule_slot, np.array(per, np.int64), last)
         return self._flat
 

@@ -28,9 +28,16 @@ def position_mask(rule, prompt_len: int, max_len: int, size: int | None = None) 
 
 
 def position_bitmap(rule, prompt_len: int, max_len: int, words: int) -> np.ndarray:
+    return mask_bitmap(position_mask(rule, prompt_len, max_len), words)
+
+
+def mask_bitmap(mask: np.ndarray, words: int) -> np.ndarray:
+    """A bool mask over positions (at most 32 x words of them) as bitmap words."""
     # bytes of 8 positions, least significant bit first, read as little-endian words
-    mask = position_mask(rule, prompt_len, max_len, words * 32)
-    return np.packbits(mask, bitorder="little").view("<i4").astype(np.int32)
+    packed = np.packbits(mask, bitorder="little")
+    out = np.zeros(words * 4, np.uint8)
+    out[:len(packed)] = packed
+    return out.view("<i4").astype(np.int32)
 
 
 def bitmap_words(max_len: int) -> int:
