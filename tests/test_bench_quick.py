@@ -177,6 +177,29 @@ def test_profile_traces_keep_each_mode(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == names
 
 
+def test_trace_overlap_measures_copies_beside_kernels():
+    """trace_overlap.py: a DtoH copy half under a kernel of another stream counts half as
+    overlapped; kernels of two streams at once count once; other copies and host events
+    are left out."""
+    from benchmarks.gpu.trace_overlap import analyse
+
+    def x(cat, name, ts, dur, stream, nbytes=0):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream, "bytes": nbytes}}
+
+    events = [x("kernel", "k1", 0, 1000, 7), x("kernel", "k2", 500, 1000, 9),
+              x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1000, 1000, 21, 2e9),
+              x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3000, 500, 7),
+              x("cpu_op", "aten::copy_", 0, 9000, 1)]
+    got = analyse(events)
+    assert got["kernel_busy_ms"] == 1.5 and got["dtoh_busy_ms"] == 1.0
+    assert got["dtoh_with_kernels_pct"] == 50.0 and got["dtoh_alone_ms"] == 0.5
+    assert got["span_ms"] == 2.0
+    assert got["streams"]["21"]["dtoh_gb"] == 2.0
+    assert got["streams"]["7"]["other_copy_ms"] == 0.5
+    json.dumps(got)  # plain numbers: it goes into the result files
+
+
 def test_profile_capture_cpu(tmp_path):
     """profile_capture.py's CPU run (tiny model): rows come back, graphtap's ranges are
     seen every step, the added work is computed against idle, one trace per mode asked."""

@@ -35,7 +35,7 @@ STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
 
 
 def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: float = 4.0,
-           focus: bool = False):
+           focus: bool = False, max_len: int = 400):
     """`sink`: the sink mode's layers (workloads.sink_sites), None: no sink mode;
     `sink_gb`: its memory bound; `focus`: configure the focus guard's pattern sites."""
     from vllm import LLM
@@ -49,7 +49,7 @@ def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: fl
                          (["focus"] if focus else []), sink or "hs")
     if sink:
         config["sink_max_queued_bytes"] = int(sink_gb * 2**30)
-    kw = dict(model=path, seed=0, max_model_len=400, max_num_seqs=64, hook_manager="graphtap",
+    kw = dict(model=path, seed=0, max_model_len=max_len, max_num_seqs=64, hook_manager="graphtap",
               hook_config=config, enable_prefix_caching=False,
               worker_extension_cls=WORKER_EXTENSION,  # graphtap_sink_sync
               disable_log_stats=False)
@@ -235,6 +235,8 @@ def main() -> int:
                     help="the sink mode's sites (workloads.sink_sites)")
     ap.add_argument("--sink-queue-gb", type=float, default=4.0,
                     help="the sink's memory bound (graphtap harvest's default: 4 GiB)")
+    ap.add_argument("--input-len", type=int, default=0, help="default: 256 (CPU: 16)")
+    ap.add_argument("--output-len", type=int, default=0, help="default: 128 (CPU: 8)")
     args = ap.parse_args()
     # the worker in this process (set here, not at import: tests import write_trace)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -246,8 +248,10 @@ def main() -> int:
     path, cfg = model_dir(args.model)
     modes = args.modes.split(",")
     sink = args.sink_layers if "sink" in modes else None
-    llm = engine(path, cfg, args.cpu, sink, args.sink_queue_gb, "focus" in modes)
     in_len, out_len = (16, 8) if args.cpu else (256, 128)
+    in_len, out_len = args.input_len or in_len, args.output_len or out_len
+    llm = engine(path, cfg, args.cpu, sink, args.sink_queue_gb, "focus" in modes,
+                 max_len=max(400, in_len + out_len + 16))
     seen: set[str] = set()  # sink shards counted
 
     def run(mode: str) -> dict:
