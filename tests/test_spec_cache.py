@@ -5,8 +5,10 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from graphtap.frontend import SPEC_CACHE, SPEC_CACHE_BYTES, GraphtapFrontend
+from graphtap.frontend import SPEC_CACHE, SPEC_CACHE_BYTES, GraphtapFrontend, _plain
 from test_spec_guards import SHAPE, _Params, steer
 
 CAPTURE = {"capture": [{"site": "blocks.1.hook_resid_post", "positions": "last_prompt"}]}
@@ -71,3 +73,35 @@ def test_specs_that_are_not_plain_data_are_normalised_each_time_and_the_cache_is
     for i in range(SPEC_CACHE + 5):
         process(fe, steer(scale=1.0 + i / 1000))
     assert len(fe._specs) == SPEC_CACHE
+
+
+class _Int(int):
+    pass
+
+
+LEAVES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=3),
+                   st.binary(max_size=2), st.builds(_Int, st.integers(0, 3)),
+                   st.builds(np.float32, st.floats(width=32)))
+TREES = st.recursive(LEAVES, lambda kids: st.one_of(
+    st.lists(kids, max_size=3), st.tuples(kids),
+    st.dictionaries(st.one_of(st.text(max_size=2), st.integers(0, 2)), kids, max_size=3)),
+    max_leaves=12)
+
+
+def _plain_reference(x) -> bool:
+    t = type(x)
+    if t in (str, int, float, bool, type(None)):
+        return True
+    if t is list:
+        return all(_plain_reference(v) for v in x)
+    if t is dict:
+        return all(type(k) is str and _plain_reference(v) for k, v in x.items())
+    return False
+
+
+@settings(max_examples=300, deadline=None)
+@given(TREES)
+def test_plain_means_json_types_only_at_every_depth(tree):
+    """The cache's key is only made for specs of JSON's exact types: a tuple, bytes, a
+    numpy scalar, an int subclass or a non-str key anywhere keeps it out."""
+    assert _plain(tree) == _plain_reference(tree)

@@ -241,13 +241,29 @@ _SCALARS = (str, int, float, bool, type(None))
 
 
 def _plain(x) -> bool:
-    """Whether x is made of JSON's types only (exact types: no subclasses)."""
-    t = type(x)
-    if t in _SCALARS:
-        return True
-    if t is list:
-        return all(type(v) in _SCALARS or _plain(v) for v in x)
-    if t is dict:
-        return all(type(k) is str and (type(v) in _SCALARS or _plain(v))
-                   for k, v in x.items())
-    return False
+    """Whether x is made of JSON's types only (exact types: no subclasses). A loop over
+    an explicit stack: a recursive generator per container cost more than the cache
+    lookup it guards."""
+    stack = [x]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is dict:
+            for k, w in v.items():
+                if type(k) is not str:
+                    return False
+                tw = type(w)
+                if tw is dict or tw is list:
+                    stack.append(w)
+                elif tw not in _SCALARS:
+                    return False
+        elif t is list:
+            for w in v:
+                tw = type(w)
+                if tw is dict or tw is list:
+                    stack.append(w)
+                elif tw not in _SCALARS:
+                    return False
+        elif t not in _SCALARS:
+            return False
+    return True
