@@ -105,3 +105,24 @@ def test_plain_means_json_types_only_at_every_depth(tree):
     """The cache's key is only made for specs of JSON's exact types: a tuple, bytes, a
     numpy scalar, an int subclass or a non-str key anywhere keeps it out."""
     assert _plain(tree) == _plain_reference(tree)
+
+
+def test_clone_shares_the_spec_and_the_frontend_never_changes_it():
+    """vLLM clones each request's SamplingParams before the frontend sees them (patch
+    0004): the clone shares `hooks` instead of deep-copying it (a spec's float lists cost
+    more to copy than the rest of admission), which is safe because the frontend
+    replaces the clone's field and never changes the dict in place."""
+    import copy
+
+    from vllm import SamplingParams
+
+    hooks = {**steer(), **CAPTURE}
+    params = SamplingParams(max_tokens=4, hooks=hooks)
+    before = copy.deepcopy(hooks)
+    clone = params.clone()
+    assert clone.hooks is params.hooks and clone is not params
+    fe = GraphtapFrontend(SHAPE)
+    fe.process_request("r", clone, None, 5)
+    assert clone.hooks is not hooks  # normalised: a field of its own
+    assert params.hooks is hooks and hooks == before
+    assert SamplingParams(max_tokens=4).clone().hooks is None
