@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from graphtap.ops.register import graph_op
 from graphtap.ops.running import running_tables
 from graphtap.ops.tables import RowTables
 
@@ -29,25 +30,17 @@ def capture_reference(t: RowTables, x: torch.Tensor, other: torch.Tensor | None,
                                                       stream.to(t.buf.dtype))
 
 
-@torch.library.custom_op("graphtap::capture_resid_", mutates_args=("x",))
+@graph_op("capture_resid_", mutates=("x",))
 def capture_resid_(x: torch.Tensor, other: Optional[torch.Tensor], site: int) -> None:
     t = running_tables("capture_resid_")
     t.backend.capture(t.capture, x, other, site, t.site_cols.get(site, 0))
 
 
-@capture_resid_.register_fake
-def _(x, other, site) -> None:
-    return None
 
-
-@torch.library.custom_op("graphtap::capture_into_", mutates_args=("sink",))
+@graph_op("capture_into_", mutates=("sink",))
 def capture_into_(sink: torch.Tensor, x: torch.Tensor, site: int) -> None:
     """Capture x (q, k or v before attention); `sink` is the attention output buffer,
     declared mutated (and left alone) so that the op survives dead-code elimination."""
     t = running_tables("capture_into_")
     t.backend.capture(t.capture, x, None, site, t.site_cols.get(site, 0))
 
-
-@capture_into_.register_fake
-def _(sink, x, site) -> None:
-    return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from graphtap.ops.pattern import probabilities
+from graphtap.ops.register import graph_op
 from graphtap.ops.running import running_tables
 from graphtap.ops.tables import KeyCache, Label, MassTables
 
@@ -25,7 +26,7 @@ def mass_reference(t: MassTables, q: torch.Tensor, kc: KeyCache, site: int) -> N
         t.buf[rows] = (probs[:, None, :] * inside).sum(-1)
 
 
-@torch.library.custom_op("graphtap::attention_mass_", mutates_args=("sink",))
+@graph_op("attention_mass_", mutates=("sink",))
 def attention_mass_(sink: torch.Tensor, q: torch.Tensor, site: int) -> None:
     """`sink` is the attention output, declared mutated and left alone (dead-code
     elimination keeps the op); q is [tokens, heads, dim]."""
@@ -35,7 +36,3 @@ def attention_mass_(sink: torch.Tensor, q: torch.Tensor, site: int) -> None:
         return
     t.backend.mass(t.mass, q, kc, site)
 
-
-@attention_mass_.register_fake
-def _(sink, q, site) -> None:
-    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from graphtap.ops.register import graph_op
 from graphtap.ops.running import running_tables
 from graphtap.ops.tables import KeyCache, Label, RowTables
 
@@ -64,7 +65,7 @@ def probabilities(t: RowTables, q: torch.Tensor, kc: KeyCache, site: int):
         yield active[rows], p, torch.softmax(scores, dim=-1)
 
 
-@torch.library.custom_op("graphtap::capture_pattern_", mutates_args=("sink",))
+@graph_op("capture_pattern_", mutates=("sink",))
 def capture_pattern_(sink: torch.Tensor, q: torch.Tensor, site: int) -> None:
     """`sink` is the attention output (consumed by o_proj next), declared mutated and
     left alone so that dead-code elimination keeps the op; q is [tokens, heads, dim]."""
@@ -74,7 +75,3 @@ def capture_pattern_(sink: torch.Tensor, q: torch.Tensor, site: int) -> None:
         return
     t.backend.pattern(t.pattern, q, kc, site)
 
-
-@capture_pattern_.register_fake
-def _(sink, q, site) -> None:
-    return None

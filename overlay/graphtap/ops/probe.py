@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from graphtap.ops.register import graph_op
 from graphtap.ops.running import running_tables
 from graphtap.ops.tables import ProbeTables, entry_bits
 
@@ -50,13 +51,9 @@ def probe_reference(t: ProbeTables, bank: torch.Tensor, tok_slot: torch.Tensor,
     t.ring_pos.index_put_((where, entry, at), pos.to(t.ring_pos.dtype))
 
 
-@torch.library.custom_op("graphtap::probe_resid_", mutates_args=("x",))
+@graph_op("probe_resid_", mutates=("x",))
 def probe_resid_(x: torch.Tensor, other: Optional[torch.Tensor], positions: torch.Tensor,
                  site: int) -> None:
     t = running_tables("probe_resid_")
     t.backend.probe(t.probe, t.steer.bank, t.tok_slot, x, other, positions, site)
 
-
-@probe_resid_.register_fake
-def _(x, other, positions, site) -> None:
-    return None

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from graphtap.ops.register import graph_op
 from graphtap.ops.running import running_tables
 from graphtap.ops.tables import COND_BELOW, COND_SIGMOID, COND_UNIT, SteerTables, position_bit
 
@@ -71,19 +72,15 @@ def decide_conditions(t: SteerTables, slot: torch.Tensor, pos: torch.Tensor,
         t.gate[:, e].index_put_((torch.where(hit, slot, sentinel),), on.to(t.gate.dtype))
 
 
-@torch.library.custom_op("graphtap::steer_resid_", mutates_args=("x",))
+@graph_op("steer_resid_", mutates=("x",))
 def steer_resid_(x: torch.Tensor, other: Optional[torch.Tensor], positions: torch.Tensor,
                  site: int) -> None:
     t = running_tables("steer_resid_")
     t.backend.steer(t.steer, t.tok_slot, x, other, positions, site)
 
 
-@steer_resid_.register_fake
-def _(x, other, positions, site) -> None:
-    return None
 
-
-@torch.library.custom_op("graphtap::steer_heads_", mutates_args=("z",))
+@graph_op("steer_heads_", mutates=("z",))
 def steer_heads_(z: torch.Tensor, site: int) -> None:
     """Steer attention heads at attn.hook_z: z [tokens, heads, head_dim] is the attention
     output o_proj reads next, edited in place as one row per token. The slot carries no
@@ -93,7 +90,3 @@ def steer_heads_(z: torch.Tensor, site: int) -> None:
     t.backend.steer(t.steer, t.tok_slot, z.view(n, -1), None, t.tok_pos, site,
                     t.site_cols.get(site, 0))
 
-
-@steer_heads_.register_fake
-def _(z, site) -> None:
-    return None
