@@ -30,8 +30,12 @@ class CountingSink:
         pass
 
 
-def sink_step(reqs: int, tokens_each: int) -> tuple[CaptureStep, CountingSink]:
-    """A step as the device writes it: site-major, each request's tokens adjacent."""
+def sink_step(reqs: int, tokens_each: int,
+              whole: bool = True) -> tuple[CaptureStep, CountingSink]:
+    """A step as the device writes it: site-major, each request's tokens adjacent.
+    `whole`: the family says every entry of each request sinks (a harvest), so the
+    courier finds the runs from the site labels alone; False: row by row (a step that
+    also has rows going back with their requests takes that path)."""
     labels = torch.tensor([(r, s, 100 + t) for s in range(SITES) for r in range(reqs)
                            for t in range(tokens_each)])
     n = len(labels)
@@ -43,14 +47,15 @@ def sink_step(reqs: int, tokens_each: int) -> tuple[CaptureStep, CountingSink]:
                                 1 << 22, OverflowKind.CAPTURE_ROWS))
     writer = CountingSink()
     step.sink = SinkTap(writer, np.zeros((reqs + 1, SITES), np.int32), np.arange(reqs + 1),
-                        (BF16,), {0})
+                        (BF16,), {0}, whole=np.full(reqs + 1, whole) if whole else None)
     step.tokens = torch.zeros(n, dtype=torch.int64)
     return step, writer
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "row-by-row"])
 @pytest.mark.parametrize("reqs,tokens_each", [(64, 1), (4, 512)],
                          ids=["decode64", "prefill-2048-tokens"])
-def test_sink_step(benchmark, reqs, tokens_each):
-    step, writer = sink_step(reqs, tokens_each)
+def test_sink_step(benchmark, reqs, tokens_each, whole):
+    step, writer = sink_step(reqs, tokens_each, whole)
     out = benchmark(step.per_request)
     assert out == {} and writer.runs == SITES * writer.handovers

@@ -13,6 +13,7 @@ import torch
 from graphtap.courier.chunks import ERROR, error_tensor, positions_key
 from graphtap.courier.pack import SOLO_BYTES, pack_key, packed_index, ramp, row_bytes
 from graphtap.courier.sink import SinkFailed
+from graphtap.courier.sink_labels import SlotRequests
 from graphtap.courier.snapshot import LabelledStep
 from graphtap.ops.tables import Label
 
@@ -184,8 +185,23 @@ class CaptureStep(LabelledStep):
         table = np.where(tap.format_of >= 0,
                          np.arange(sites, dtype=np.int64) * n_fmt + tap.format_of,
                          tap.format_of.astype(np.int64))
-        keys = table.reshape(-1)[slot * sites + site]
         lost = self.overflow()
+        whole = None if lost else self._whole_runs(site, used)
+        if whole is not None:  # a harvest's step: every row to the sink, as views
+            sunk = [(self.site_names[key // n_fmt], sum(b - a for a, b in spans),
+                     [self._view(a, b, tap.formats[key % n_fmt]) for a, b in spans])
+                    for key, spans in whole.items()]
+            try:  # the writer's thread makes the per-row labels (SlotRequests)
+                tap.writer.put_runs(SlotRequests(tap.request_of, slot), labels[:, POSITION],
+                                    self.tokens.numpy()[:used], sunk, self.rows_ready)
+                handed = sum(c.numel() * c.element_size() for _, _, chunks in sunk
+                             for c in chunks) if self.staged is not None else 0
+            except SinkFailed as e:
+                for s in self.slot_to_req.values():
+                    failed[s] = {ERROR: error_tensor(str(e))}
+            tap.done()
+            return np.zeros(0, dtype=bool), failed, handed
+        keys = table.reshape(-1)[slot * sites + site]
         if lost:
             lost_slots = [s for s, r in self.slot_to_req.items() if r in lost]
             keys[np.isin(slot, lost_slots) & (keys >= 0)] = LOST
@@ -227,15 +243,44 @@ class CaptureStep(LabelledStep):
         tap.done()
         return keys == NO_SINK, failed, handed
 
+    def _whole_runs(self, site: np.ndarray, used: int) -> dict | None:
+        """A step whose every row goes to the sink, each site in one format that is a view
+        of the step copy (a harvest's steps): its runs by key (site x formats + format
+        id), found from the site labels alone. None: the rows are decided one by one."""
+        tap = self.sink
+        slots = np.fromiter(self.slot_to_req, np.int64, len(self.slot_to_req))
+        if tap.whole is None or not len(slots) or not tap.whole[slots].all():
+            return None
+        ids = tap.format_of[slots]  # [slots, sites]: a format id where a slot captures
+        fmt = ids.max(0)
+        if (np.where(ids >= 0, ids, fmt) != fmt).any():
+            return None  # a site sunk in two formats (requests differ): row by row
+        if any(tap.formats[f] != self._native(tap.formats[f]) for f in set(fmt.tolist())
+               if f >= 0):
+            return None  # a cast or chosen heads: copies, made row by row
+        starts = np.flatnonzero(np.concatenate(([True], site[1:] != site[:-1])))
+        ends = np.concatenate((starts[1:], [used]))
+        runs: dict[int, list[tuple[int, int]]] = {}
+        n_fmt = len(tap.formats)
+        for start, end, s in zip(starts.tolist(), ends.tolist(), site[starts].tolist()):
+            if fmt[s] < 0:
+                return None  # a row of a site no request sinks: never expected
+            runs.setdefault(s * n_fmt + int(fmt[s]), []).append((start, end))
+        return runs
+
+    def _view(self, start: int, end: int, fmt: RowFormat) -> torch.Tensor:
+        """A run of rows in a native format (_native): a view of the step copy."""
+        rows = self.rows[start:end]
+        return rows.view(end - start, -1, fmt.head_dim) if fmt.head_dim else rows
+
     def _sink_values(self, start: int, end: int, fmt: RowFormat) -> torch.Tensor:
         """A run of sink rows in its format: in the buffer's dtype and width, a view of the
         pinned step buffer, written from there (it returns to the allocator once written;
         the sink's byte bound counts it); otherwise a copy with the cast and the chosen
         heads in one pass."""
-        rows = self.rows[start:end]
         if fmt == self._native(fmt):
-            return rows.view(end - start, -1, fmt.head_dim) if fmt.head_dim else rows
-        return self._cut(rows, fmt)
+            return self._view(start, end, fmt)
+        return self._cut(self.rows[start:end], fmt)
 
     def _native(self, fmt: RowFormat) -> RowFormat:
         """The format in which a site's rows are views of the step copy (no copy made)."""

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from graphtap.courier.repeats import Repeats
+from graphtap.courier.sink_labels import owned_int64
 from graphtap.courier.shardfile import split_pieces, write_pieces
 from graphtap.courier.staging import Staging
 
@@ -164,11 +165,11 @@ class SinkWriter:
         """A step's rows of several sites in one hand-over (one lock, one queue entry:
         a decode step of every layer is 32 sites, and each hand-over costs the engine's
         thread the GIL): runs of (site, rows, chunks whose rows follow each other),
-        labelled in order by request, position and token (int64 arrays the writer keeps:
-        copies, not views of tables the next step changes). `ready`: an event (CUDA)
-        after which the chunks' bytes are there (they are still being copied home on the
-        sink's one stream, so a later event implies every earlier one); None: now."""
-        request, position, token = (np.asarray(a, np.int64) for a in (request, position, token))
+        labelled in order by request (or SlotRequests), position and token (integer
+        arrays; views are copied in the writer's thread, never tables the next step
+        changes in place). `ready`: an event (CUDA) after which the chunks' bytes are
+        there (they are still being copied home on the sink's one stream, so a later
+        event implies every earlier one); None: now."""
         n = len(position)
         rows = sum(len(c) for _, _, chunks in runs for c in chunks)
         if not (len(request) == n == rows == len(token) == sum(r[1] for r in runs)) or any(
@@ -283,6 +284,7 @@ class SinkWriter:
 
     def _take(self, piece) -> None:
         request, position, token, runs, ready = piece
+        request, position, token = map(owned_int64, (request, position, token))
         self._repeats.note(request, position, runs)
         at = 0
         for site, count, chunks in runs:

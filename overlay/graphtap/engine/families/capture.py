@@ -33,6 +33,7 @@ class CaptureFamily(RowFamily):
         slots = self.slots.host.shape[0]
         self._sink_format = np.full((slots, len(self.sites)), NO_SINK, np.int32)
         self._sink_request = np.zeros(slots, np.int64)
+        self._sink_whole = np.zeros(slots, bool)  # every capture entry of the slot sinks
         self._sink_formats: dict[RowFormat, int] = {}
         self._sunk: set[int] = set()  # slots of live requests with sink entries
         self._heads: set[int] = set()  # slots of live requests capturing attention sites
@@ -81,6 +82,7 @@ class CaptureFamily(RowFamily):
                 self._sunk.add(slot)
         if slot in self._sunk:
             self._sink_request[slot] = self.sink.request_index(req_id)
+            self._sink_whole[slot] = all(e.sink for e in spec.capture)
 
     def remove_request(self, req_id: str) -> None:
         slot = self._slot_of.get(req_id)
@@ -92,6 +94,7 @@ class CaptureFamily(RowFamily):
         """Clears the slot's marks (heads, sink formats); whether it had sink entries."""
         self._heads.discard(slot)
         self._sink_format[slot] = NO_SINK
+        self._sink_whole[slot] = False
         if slot not in self._sunk:
             return False
         self._sunk.discard(slot)
@@ -112,7 +115,8 @@ class CaptureFamily(RowFamily):
             # reads this step's rows
             step.sink = SinkTap(self.sink, self._sink_format.copy(),
                                 self._sink_request.copy(), tuple(self._sink_formats),
-                                self._sunk, self._sink_stream)  # a format's id: its place
+                                self._sunk, self._sink_stream,  # a format's id: its place
+                                self._sink_whole.copy())
             # each row's input token id, gathered on the device by its TOKEN label
             # (copied home with the rows): decode tokens exist nowhere else here
             ids, n = self._input_ids, len(step.rows)
@@ -124,12 +128,14 @@ class CaptureFamily(RowFamily):
 class SinkTap:
     """What a capture step sends to the sink: per (slot, site) the sink format's id in
     `formats` (NO_SINK: the rows go back with their request instead), per slot the
-    request's index in the sink."""
+    request's index in the sink, and whether every capture entry of it sinks (`whole`;
+    None: not known, the courier decides row by row)."""
 
     def __init__(self, writer, format_of: np.ndarray, request_of: np.ndarray,
-                 formats: tuple[RowFormat, ...], live: set, stream=None):
+                 formats: tuple[RowFormat, ...], live: set, stream=None,
+                 whole: np.ndarray | None = None):
         self.writer, self.format_of, self.request_of = writer, format_of, request_of
-        self.formats, self._live = formats, live
+        self.formats, self._live, self.whole = formats, live, whole
         self.stream = stream  # the sink rows' copy stream (None: vLLM's, on CPU)
 
     def done(self) -> None:
