@@ -75,3 +75,40 @@ def test_gpu_is_detected_without_poisoning_fork(monkeypatch):
     callers = [p.relative_to(root).as_posix() for p in root.rglob("*.py")
                if re.search(r"cuda\.is_available\(", p.read_text())]
     assert callers == ["devices.py"], callers
+
+
+def _harvest_args(*extra):
+    from types import SimpleNamespace
+
+    args = dict(sites=["blocks.1.hook_resid_post"], sink_memory_gb=4.0, compile=False,
+                prefill_graphs=False, step_tokens=2048)
+    for key, value in extra:
+        args[key] = value
+    return SimpleNamespace(**args)
+
+
+def test_harvest_engine_on_a_gpu_and_without_one():
+    """`graphtap harvest` ran the tests' CPU settings on a GPU too (float32 weights, 16
+    sequences, eager), and prefill steps larger than vLLM's 512-token graphs ran without
+    graphs there (session 23's trace: the host paced them). On a GPU: the model's dtype,
+    256 sequences, steps of --step-tokens; --prefill-graphs compiles and captures graphs
+    up to that budget; without a GPU it is refused, naming the flag."""
+    import pytest
+
+    from graphtap.cli import harvest_engine
+    from graphtap.graph_sizes import prefill_graph_sizes
+
+    cpu = harvest_engine(_harvest_args(), "/s", gpu=False)
+    assert cpu == {"eager": True, "hook_manager": "graphtap", "hook_config": {
+        "sites": ["blocks.1.hook_resid_post"], "sink_dir": "/s",
+        "sink_max_queued_bytes": 4 << 30}}
+    gpu = harvest_engine(_harvest_args(("step_tokens", 4096)), "/s", gpu=True)
+    assert gpu["eager"] and gpu["dtype"] == "auto" and gpu["max_num_batched_tokens"] == 4096
+    assert "compilation_config" not in gpu
+    graphs = harvest_engine(_harvest_args(("prefill_graphs", True)), "/s", gpu=True)
+    assert not graphs["eager"]
+    assert graphs["compilation_config"]["cudagraph_capture_sizes"] == prefill_graph_sizes(2048)
+    with pytest.raises(SystemExit, match="--prefill-graphs needs a GPU"):
+        harvest_engine(_harvest_args(("prefill_graphs", True)), "/s", gpu=False)
+    with pytest.raises(SystemExit, match="--step-tokens"):
+        harvest_engine(_harvest_args(("step_tokens", 0)), "/s", gpu=True)

@@ -63,6 +63,11 @@ def engine_args(args, path: str, cfg: dict, memory: float | None = None):
     else:
         kw.update(dtype="bfloat16", gpu_memory_utilization=0.85,
                   compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+        if args.prefill_graphs:  # graphs up to the step budget (graphtap harvest's option)
+            from graphtap.graph_sizes import prefill_compilation_config
+
+            kw.update(max_num_batched_tokens=args.prefill_graphs,
+                      compilation_config=prefill_compilation_config(args.prefill_graphs))
     if memory is not None:  # engines sharing the device (bench_twin.py)
         kw.update(gpu_memory_utilization=memory)
     if args.variant == "graphtap":
@@ -351,6 +356,10 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
     ap.add_argument("--sink-queue-gb", type=float, default=0,
                     help="the sink's bound on queued rows (default: the engine's 256 MiB); "
                          "larger: the engine runs ahead of the disk into host memory")
+    ap.add_argument("--prefill-graphs", type=int, default=0, metavar="TOKENS",
+                    help="steps of TOKENS tokens with CUDA graphs up to that size "
+                         "(graph_sizes.py; default: vLLM's sizes, none above 128 tokens "
+                         "at 64 sequences)")
     ap.add_argument("--rates", default="1,4,8,16")
     ap.add_argument("--bursts", default="", help="also: N requests at once, e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=3)

@@ -35,9 +35,10 @@ STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
 
 
 def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: float = 4.0,
-           focus: bool = False, max_len: int = 400):
+           focus: bool = False, max_len: int = 400, prefill_graphs: bool = False):
     """`sink`: the sink mode's layers (workloads.sink_sites), None: no sink mode;
-    `sink_gb`: its memory bound; `focus`: configure the focus guard's pattern sites."""
+    `sink_gb`: its memory bound; `focus`: configure the focus guard's pattern sites;
+    `prefill_graphs`: CUDA graphs up to the 2048-token step (graph_sizes.py)."""
     from vllm import LLM
 
     from graphtap.runner_info import WORKER_EXTENSION
@@ -62,6 +63,10 @@ def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: fl
         kw.update(dtype="bfloat16", gpu_memory_utilization=0.85, load_format="dummy",
                   skip_tokenizer_init=True, max_num_batched_tokens=2048,
                   compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+        if prefill_graphs:
+            from graphtap.graph_sizes import prefill_compilation_config
+
+            kw["compilation_config"] = prefill_compilation_config(2048)
     return LLM(**kw)
 
 
@@ -235,6 +240,9 @@ def main() -> int:
                     help="the sink mode's sites (workloads.sink_sites)")
     ap.add_argument("--sink-queue-gb", type=float, default=4.0,
                     help="the sink's memory bound (graphtap harvest's default: 4 GiB)")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="GPU: CUDA graphs up to the 2048-token step (graph_sizes.py; "
+                         "default: vLLM's, none above 128 tokens at 64 sequences)")
     ap.add_argument("--input-len", type=int, default=0, help="default: 256 (CPU: 16)")
     ap.add_argument("--output-len", type=int, default=0, help="default: 128 (CPU: 8)")
     args = ap.parse_args()
@@ -251,7 +259,7 @@ def main() -> int:
     in_len, out_len = (16, 8) if args.cpu else (256, 128)
     in_len, out_len = args.input_len or in_len, args.output_len or out_len
     llm = engine(path, cfg, args.cpu, sink, args.sink_queue_gb, "focus" in modes,
-                 max_len=max(400, in_len + out_len + 16))
+                 max_len=max(400, in_len + out_len + 16), prefill_graphs=args.prefill_graphs)
     seen: set[str] = set()  # sink shards counted
 
     def run(mode: str) -> dict:

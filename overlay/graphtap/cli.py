@@ -140,9 +140,7 @@ def _harvest(args) -> int:
     # anything left there by an interrupted run is not this run's
     sink = Path(args.out) / ".sink"
     shutil.rmtree(sink, ignore_errors=True)
-    llm = make_llm(args.model, eager=not args.compile, hook_manager="graphtap",
-                   hook_config={"sites": args.sites, "sink_dir": str(sink),
-                                "sink_max_queued_bytes": int(args.sink_memory_gb * 2**30)})
+    llm = make_llm(args.model, **harvest_engine(args, str(sink), has_gpu()))
     try:
         manifest = harvest(llm, prompts, args.sites, args.out, positions, args.dtype,
                            args.shard_prompts, args.max_tokens)
@@ -153,6 +151,30 @@ def _harvest(args) -> int:
                     f"{len(prompts)} prompts in {len(manifest['shards'])} shard(s)"
                     f"{'' if manifest['complete'] else ' (incomplete)'}")
     return 0
+
+
+def harvest_engine(args, sink_dir: str, gpu: bool) -> dict:
+    """make_llm's arguments for a harvest: its hook config (the bulk sink); on a GPU the
+    model's dtype, vLLM's memory share, 256 sequences and steps of --step-tokens tokens
+    (make_llm's defaults are the tests' CPU ones), and with --prefill-graphs CUDA graphs
+    up to a step's budget (graph_sizes.py). Refused without a GPU, naming the flag."""
+    hooks = {"sites": args.sites, "sink_dir": sink_dir,
+             "sink_max_queued_bytes": int(args.sink_memory_gb * 2**30)}
+    if args.step_tokens < 1:
+        raise SystemExit(f"graphtap harvest: --step-tokens must be at least 1, not "
+                         f"{args.step_tokens}")
+    if args.prefill_graphs and not gpu:
+        raise SystemExit("graphtap harvest: --prefill-graphs needs a GPU (CUDA graphs)")
+    kw = dict(eager=not (args.compile or args.prefill_graphs), hook_manager="graphtap",
+              hook_config=hooks)
+    if gpu:
+        kw.update(dtype="auto", gpu_memory_utilization=0.9, max_model_len=None,
+                  max_num_seqs=256, max_num_batched_tokens=args.step_tokens)
+    if args.prefill_graphs:
+        from graphtap.graph_sizes import prefill_compilation_config
+
+        kw["compilation_config"] = prefill_compilation_config(args.step_tokens)
+    return kw
 
 
 def _demo(ap, args) -> int:
@@ -238,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt")
     hv.add_argument("--out", required=True, help="a directory (an existing harvest resumes)")
     hv.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
+    hv.add_argument("--prefill-graphs", action="store_true",
+                    help="GPU: torch.compile and CUDA graphs up to --step-tokens, so prefill "
+                         "steps replay graphs instead of launching every kernel from the "
+                         "host (more start time and graph memory)")
+    hv.add_argument("--step-tokens", type=int, default=2048,
+                    help="GPU: the tokens a step may hold (max_num_batched_tokens)")
     hv.add_argument("--sink-memory-gb", type=float, default=4.0,
                     help="host memory the sink's rows may hold before the engine waits for "
                          "the disk (the engine's 256 MiB default throttles a harvest of many "
