@@ -127,12 +127,11 @@ class RecordingSink:
         self.puts, self.handovers, self.flushes = [], 0, 0
 
     def put_runs(self, request, position, token, runs, ready=None):
-        from graphtap.courier.sink_labels import SlotRequests, owned_int64
+        from graphtap.courier.sink_labels import owned_int64
 
         self.handovers += 1
         self.ready = ready
-        self.lazy = isinstance(request, SlotRequests)  # the writer's thread resolves them
-        request, position, token = map(owned_int64, (request, position, token))
+        request, position, token = map(owned_int64, (request, position, token))  # as _take
         at = 0
         for site, count, chunks in runs:
             self.puts.append((site, np.asarray(request[at:at + count]),

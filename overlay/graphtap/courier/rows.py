@@ -178,29 +178,24 @@ class CaptureStep(LabelledStep):
             tap.done()
             return np.zeros(0, dtype=bool), failed, handed
         labels = self.labels[:used].numpy()
-        slot, site = labels[:, SLOT], labels[:, SITE]
-        # per row a run key: site x formats + format id for sink rows, else NO_SINK; from
-        # a [slot, site] table by one flat gather (2-D fancy indexing cost 4x as much)
-        sites, n_fmt = tap.format_of.shape[1], len(tap.formats)
-        table = np.where(tap.format_of >= 0,
-                         np.arange(sites, dtype=np.int64) * n_fmt + tap.format_of,
-                         tap.format_of.astype(np.int64))
+        slot, site, position = labels[:, SLOT], labels[:, SITE], labels[:, POSITION]
+        tokens = self.tokens.numpy()[:used]
+        n_fmt = len(tap.formats)
         lost = self.overflow()
         whole = None if lost else self._whole_runs(site, used)
         if whole is not None:  # a harvest's step: every row to the sink, as views
             sunk = [(self.site_names[key // n_fmt], sum(b - a for a, b in spans),
                      [self._view(a, b, tap.formats[key % n_fmt]) for a, b in spans])
                     for key, spans in whole.items()]
-            try:  # the writer's thread makes the per-row labels (SlotRequests)
-                tap.writer.put_runs(SlotRequests(tap.request_of, slot), labels[:, POSITION],
-                                    self.tokens.numpy()[:used], sunk, self.rows_ready)
-                handed = sum(c.numel() * c.element_size() for _, _, chunks in sunk
-                             for c in chunks) if self.staged is not None else 0
-            except SinkFailed as e:
-                for s in self.slot_to_req.values():
-                    failed[s] = {ERROR: error_tensor(str(e))}
+            handed = self._hand_over(slot, position, tokens, sunk, self.rows_ready, failed)
             tap.done()
             return np.zeros(0, dtype=bool), failed, handed
+        # per row a run key: site x formats + format id for sink rows, else NO_SINK; from
+        # a [slot, site] table by one flat gather (2-D fancy indexing cost 4x as much)
+        sites = tap.format_of.shape[1]
+        table = np.where(tap.format_of >= 0,
+                         np.arange(sites, dtype=np.int64) * n_fmt + tap.format_of,
+                         tap.format_of.astype(np.int64))
         keys = table.reshape(-1)[slot * sites + site]
         if lost:
             lost_slots = [s for s, r in self.slot_to_req.items() if r in lost]
@@ -212,10 +207,8 @@ class CaptureStep(LabelledStep):
             if key >= 0:
                 runs.setdefault(key, []).append((start, end))
         if runs:  # one hand-over a step: per site and format the runs that hold it
-            tokens = self.tokens.numpy()
             if all(len(spans) == 1 for spans in runs.values()):  # the usual: in order
                 mask = keys >= 0
-                # a harvest's steps are all sink rows: slices, one copy each
                 at = slice(None) if mask.all() else np.flatnonzero(mask)
             else:
                 at = np.concatenate([np.arange(a, b) for spans in runs.values()
@@ -228,20 +221,29 @@ class CaptureStep(LabelledStep):
             sunk = [(self.site_names[key // n_fmt], sum(b - a for a, b in spans),
                      [self._sink_values(a, b, tap.formats[key % n_fmt]) for a, b in spans])
                     for key, spans in runs.items()]
-            try:  # label copies: the writer holds them long after the step's buffers
-                tap.writer.put_runs(
-                    tap.request_of[slot[at]], np.array(labels[at, POSITION], np.int64),
-                    np.array(tokens[at], np.int64), sunk, ready)
-                if self.staged is not None:  # views of the staging block, not casts
-                    storage = self.rows.untyped_storage().data_ptr()
-                    handed = sum(c.numel() * c.element_size() for _, _, chunks in sunk
-                                 for c in chunks
-                                 if c.untyped_storage().data_ptr() == storage)
-            except SinkFailed as e:
-                for s in np.unique(slot[at]).tolist():
-                    failed[self.slot_to_req[s]] = {ERROR: error_tensor(str(e))}
+            handed = self._hand_over(slot[at], position[at], tokens[at], sunk, ready, failed)
         tap.done()
         return keys == NO_SINK, failed, handed
+
+    def _hand_over(self, slot: np.ndarray, position: np.ndarray, token: np.ndarray,
+                   sunk: list, ready, failed: dict) -> int:
+        """One put_runs of the step's runs, labelled by the rows' slot, position and token
+        labels as they are (the writer's thread makes its int64 copies: SlotRequests).
+        Returns the bytes handed over as views of the step copy (a staging block is freed
+        once they are written); a writer that stopped fails each request with rows here
+        with the cause instead (into `failed`)."""
+        try:
+            self.sink.writer.put_runs(SlotRequests(self.sink.request_of, slot), position,
+                                      token, sunk, ready)
+        except SinkFailed as e:
+            for s in np.unique(slot).tolist():
+                failed[self.slot_to_req[s]] = {ERROR: error_tensor(str(e))}
+            return 0
+        if self.staged is None:
+            return 0
+        storage = self.rows.untyped_storage().data_ptr()
+        return sum(c.numel() * c.element_size() for _, _, chunks in sunk for c in chunks
+                   if c.untyped_storage().data_ptr() == storage)
 
     def _whole_runs(self, site: np.ndarray, used: int) -> dict | None:
         """A step whose every row goes to the sink, each site in one format that is a view

@@ -36,11 +36,9 @@ def capture_resid_(x: torch.Tensor, other: Optional[torch.Tensor], site: int) ->
     t.backend.capture(t.capture, x, other, site, t.site_cols.get(site, 0))
 
 
-
 @graph_op("capture_into_", mutates=("sink",))
 def capture_into_(sink: torch.Tensor, x: torch.Tensor, site: int) -> None:
     """Capture x (q, k or v before attention); `sink` is the attention output buffer,
     declared mutated (and left alone) so that the op survives dead-code elimination."""
     t = running_tables("capture_into_")
     t.backend.capture(t.capture, x, None, site, t.site_cols.get(site, 0))
-

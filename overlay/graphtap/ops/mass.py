@@ -35,4 +35,3 @@ def attention_mass_(sink: torch.Tensor, q: torch.Tensor, site: int) -> None:
     if t.mass is None or kc is None:  # the profiling run, before the cache exists
         return
     t.backend.mass(t.mass, q, kc, site)
-

@@ -74,4 +74,3 @@ def capture_pattern_(sink: torch.Tensor, q: torch.Tensor, site: int) -> None:
     if t.pattern is None or kc is None:  # the profiling run, before the cache exists
         return
     t.backend.pattern(t.pattern, q, kc, site)
-

@@ -56,4 +56,3 @@ def probe_resid_(x: torch.Tensor, other: Optional[torch.Tensor], positions: torc
                  site: int) -> None:
     t = running_tables("probe_resid_")
     t.backend.probe(t.probe, t.steer.bank, t.tok_slot, x, other, positions, site)
-

@@ -79,7 +79,6 @@ def steer_resid_(x: torch.Tensor, other: Optional[torch.Tensor], positions: torc
     t.backend.steer(t.steer, t.tok_slot, x, other, positions, site)
 
 
-
 @graph_op("steer_heads_", mutates=("z",))
 def steer_heads_(z: torch.Tensor, site: int) -> None:
     """Steer attention heads at attn.hook_z: z [tokens, heads, head_dim] is the attention
@@ -89,4 +88,3 @@ def steer_heads_(z: torch.Tensor, site: int) -> None:
     n = z.shape[0]
     t.backend.steer(t.steer, t.tok_slot, z.view(n, -1), None, t.tok_pos, site,
                     t.site_cols.get(site, 0))
-
