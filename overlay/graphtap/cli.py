@@ -156,8 +156,10 @@ def _harvest(args) -> int:
 def harvest_engine(args, sink_dir: str, gpu: bool) -> dict:
     """make_llm's arguments for a harvest: its hook config (the bulk sink); on a GPU the
     model's dtype, vLLM's memory share, 256 sequences and steps of --step-tokens tokens
-    (make_llm's defaults are the tests' CPU ones), and with --prefill-graphs CUDA graphs
-    up to a step's budget (graph_sizes.py). Refused without a GPU, naming the flag."""
+    (make_llm's defaults are the tests' CPU ones) and, unless --no-prefill-graphs, CUDA
+    graphs up to a step's budget (graph_sizes.py): without them the host paced a harvest's
+    prefill steps (benchmarks/results, llama3-8b-sink-overlap). --prefill-graphs without a
+    GPU is refused, naming the flag."""
     hooks = {"sites": args.sites, "sink_dir": sink_dir,
              "sink_max_queued_bytes": int(args.sink_memory_gb * 2**30)}
     if args.step_tokens < 1:
@@ -165,12 +167,13 @@ def harvest_engine(args, sink_dir: str, gpu: bool) -> dict:
                          f"{args.step_tokens}")
     if args.prefill_graphs and not gpu:
         raise SystemExit("graphtap harvest: --prefill-graphs needs a GPU (CUDA graphs)")
-    kw = dict(eager=not (args.compile or args.prefill_graphs), hook_manager="graphtap",
+    graphs = gpu if args.prefill_graphs is None else args.prefill_graphs
+    kw = dict(eager=not (args.compile or graphs), hook_manager="graphtap",
               hook_config=hooks)
     if gpu:
         kw.update(dtype="auto", gpu_memory_utilization=0.9, max_model_len=None,
                   max_num_seqs=256, max_num_batched_tokens=args.step_tokens)
-    if args.prefill_graphs:
+    if graphs:
         from graphtap.graph_sizes import prefill_compilation_config
 
         kw["compilation_config"] = prefill_compilation_config(args.step_tokens)
@@ -259,11 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     hv.add_argument("--shard-prompts", type=int, default=64, help="prompts per shard")
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt")
     hv.add_argument("--out", required=True, help="a directory (an existing harvest resumes)")
-    hv.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
-    hv.add_argument("--prefill-graphs", action="store_true",
-                    help="GPU: torch.compile and CUDA graphs up to --step-tokens, so prefill "
-                         "steps replay graphs instead of launching every kernel from the "
-                         "host (more start time and graph memory)")
+    hv.add_argument("--compile", action="store_true", help="torch.compile (default: eager, or graphs on a GPU)")
+    hv.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="GPU (default there): torch.compile and CUDA graphs up to "
+                         "--step-tokens, so prefill steps replay graphs instead of launching "
+                         "every kernel from the host (start time and graph memory: "
+                         "--no-prefill-graphs runs eager)")
     hv.add_argument("--step-tokens", type=int, default=2048,
                     help="GPU: the tokens a step may hold (max_num_batched_tokens)")
     hv.add_argument("--sink-memory-gb", type=float, default=4.0,

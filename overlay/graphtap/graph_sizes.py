@@ -2,12 +2,12 @@
 
 vLLM captures piecewise graphs up to 512 tokens by default, so a prefill step of 2048
 tokens runs its compiled pieces without a graph: every kernel is launched from the host,
-and every hook op's Python body runs once per layer. On the H200 the host then paced a
-harvest of Llama-3-8B's every layer: its forwards ran 47 ms of kernels and started 56 ms
-apart (benchmarks/results/README.md, session 23). Graphs up to the step's token budget
-take the host out of those steps; the price is capture time and graph memory at start,
-which a long harvest repays and a latency-bound server may not, so it is asked for,
-never the default. Hook ops sit inside the pieces (placement is static), so nothing of
+and every hook op's Python body runs once per layer: on the H200 the host paced a
+harvest (benchmarks/results, group llama3-8b-sink-overlap). Graphs up to the step's
+token budget take the host out of those steps; the price is capture time and graph
+memory at start, which a long harvest repays and a latency-bound server may not, so
+`graphtap harvest` takes them on a GPU by default and a server only when asked. Hook
+ops sit inside the pieces (placement is static), so nothing of
 graphtap changes with the sizes."""
 from __future__ import annotations
 
