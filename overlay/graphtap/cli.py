@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     hv.add_argument("--shard-prompts", type=int, default=64, help="prompts per shard")
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt")
     hv.add_argument("--out", required=True, help="a directory (an existing harvest resumes)")
-    hv.add_argument("--compile", action="store_true", help="torch.compile (default: eager, or graphs on a GPU)")
+    hv.add_argument("--compile", action="store_true",
+                    help="torch.compile (default: eager, or graphs on a GPU)")
     hv.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU (default there): torch.compile and CUDA graphs up to "
                          "--step-tokens, so prefill steps replay graphs instead of launching "
