@@ -90,8 +90,8 @@ def _harvest_args(*extra):
 def test_harvest_engine_on_a_gpu_and_without_one():
     """`graphtap harvest` ran the tests' CPU settings on a GPU too (float32 weights, 16
     sequences, eager), and prefill steps larger than vLLM's 512-token graphs ran without
-    graphs there (session 23's trace: the host paced them; session 24: with graphs a
-    harvest burst took 1.01-1.04x idle's time). On a GPU: the model's dtype, 256
+    graphs there (benchmarks/results, llama3-8b-sink-overlap and
+    llama3-8b-prefill-graphs: the host paced them). On a GPU: the model's dtype, 256
     sequences, steps of --step-tokens, compiled with graphs up to that budget unless
     --no-prefill-graphs; without a GPU eager, and --prefill-graphs is refused, naming
     the flag."""
