@@ -142,12 +142,14 @@ def _sink(group: dict) -> str:
     """Per file and load: the sink's rows and bytes, its rates over the run (the engine's
     side), including the wait for the writer afterwards (in the page cache) and then for
     the disk (os.sync, where the run measured it), the machine's probes (median run of the
-    repetitions), and TPOT vs idle paired per request (pooled over every repetition).
+    repetitions), and TPOT vs idle paired per request (pooled over every repetition; the
+    A/A control idle2 where the launch ran it).
     Before the staging memory (runs without its counter) the first repetition is left
     out: the host's pinned pool grew during it."""
     lines = ["| file | sites / token | in / out | load | rows / run | GB / run | rows/s (run) | "
              "GB/s (run) | % of D2H | GB/s incl. writer | GB/s to disk | D2H probe | "
-             "disk probe | TPOT vs idle | dump vs idle |", "|---" * 15 + "|"]
+             "disk probe | TPOT vs idle | A/A: idle2 vs idle | dump vs idle |",
+             "|---" * 16 + "|"]
     for name in group["files"]:
         d = json.loads((RESULTS / name).read_text())
         over = d.get("summary_overhead_vs_idle_pct", {})
@@ -162,6 +164,7 @@ def _sink(group: dict) -> str:
             med = sorted(runs, key=lambda r: r["sink_rows_per_s"])[len(runs) // 2]
             total = med["wall_s"] + med["sink_settle_s"]
             dump = over.get("dump", {}).get(load, {}).get("pooled")
+            aa = over.get("idle2", {}).get(load, {}).get("pooled")
             d2h = link.get("d2h_gb_s", 0)
             # after the writer, os.sync (runs since session 17's last change)
             disk = f"{med['sink_gb_per_s_disk']:.2f}" if "sink_gb_per_s_disk" in med else "–"
@@ -174,6 +177,7 @@ def _sink(group: dict) -> str:
                 f"{med['sink_bytes'] / total / 1e9:.2f} | {disk} | {d2h:.1f} | "
                 f"{link.get('disk_write_gb_s', 0):.2f} | "
                 f"{over['sink'][load]['pooled']:+.1f} % | "
+                f"{'–' if aa is None else f'{aa:+.1f} %'} | "
                 f"{'–' if dump is None else f'{dump:+.1f} %'} |")
     return "\n".join(lines) + "\n"
 

@@ -20,6 +20,37 @@ def test_serve_passes_graphtap_and_vllm_arguments_through():
     assert own.count("--worker-extension-cls") == 1  # the caller's own wins
 
 
+def test_serve_prefill_graphs_become_vllm_serve_settings():
+    """`graphtap serve --prefill-graphs 2048`: vllm serve reads a 2048-token step budget and
+    graph_sizes' capture sizes from the arguments it is given (on the H200 a capturing
+    server's TTFT at 64 at once: benchmarks/results, group llama3-8b-ttft-graphs). A flag
+    of the caller's that sets the same is refused, naming it; so are budgets below one
+    token and, without a GPU, the option itself."""
+    import pytest
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from graphtap.cli import main
+    from graphtap.graph_sizes import prefill_graph_sizes
+
+    argv = serve_argv("m", None, None, ["--port", "8001"], prefill_graphs=2048)
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[4:])
+    engine = AsyncEngineArgs.from_cli_args(parsed)
+    assert engine.max_num_batched_tokens == 2048 and parsed.port == 8001
+    compilation = engine.compilation_config
+    assert compilation.cudagraph_capture_sizes == prefill_graph_sizes(2048)
+    assert str(compilation.cudagraph_mode).endswith("FULL_AND_PIECEWISE")
+    for flag in ["--max-num-batched-tokens=4096", "--compilation-config", "-cc",
+                 "--compilation-config.cudagraph_mode", "--enforce-eager"]:
+        with pytest.raises(ValueError, match=f"drop {flag.split('=')[0]} or --prefill"):
+            serve_argv("m", None, None, [flag, "x"], prefill_graphs=2048)
+    with pytest.raises(ValueError, match="at least 1 token"):
+        serve_argv("m", None, None, [], prefill_graphs=0)
+    with pytest.raises(SystemExit, match="--prefill-graphs needs a GPU"):
+        main(["serve", "m", "--prefill-graphs", "2048"])  # this machine has none
+
+
 def test_sites_lists_every_site_with_its_row_shape(qwen2_path):
     res = subprocess.run([sys.executable, "-m", "graphtap.cli", "sites", str(qwen2_path),
                           "--json"], capture_output=True, text=True, timeout=120)

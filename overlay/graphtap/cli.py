@@ -1,6 +1,7 @@
 """The `graphtap` command.
 
-    graphtap serve MODEL [--sites S ...] [--hook-config JSON] [vllm serve arguments...]
+    graphtap serve MODEL [--sites S ...] [--hook-config JSON] [--prefill-graphs TOKENS]
+                   [vllm serve arguments...]
     graphtap sites MODEL [--json]
     graphtap demo [--model smollm2|llama|qwen2] [--compile] [--png FILE]
     graphtap demo guard --heads 5:18 7:12 [--model M] [--threshold T] [--dtype D]
@@ -21,8 +22,9 @@ from graphtap.runner_info import WORKER_EXTENSION
 
 
 def serve_argv(model: str, sites: list[str] | None, hook_config: str | None,
-               rest: list[str]) -> list[str]:
-    """`vllm serve` with graphtap's hook manager and sites in its hook_config."""
+               rest: list[str], prefill_graphs: int | None = None) -> list[str]:
+    """`vllm serve` with graphtap's hook manager and sites in its hook_config; with
+    `prefill_graphs` steps of that many tokens and CUDA graphs up to them."""
     config = json.loads(hook_config) if hook_config else {}
     if sites:
         config["sites"] = sites
@@ -30,12 +32,48 @@ def serve_argv(model: str, sites: list[str] | None, hook_config: str | None,
     # caller brings a worker extension of their own.
     probe = [] if any(a.startswith("--worker-extension-cls") for a in rest) else \
         ["--worker-extension-cls", WORKER_EXTENSION]
+    graphs = [] if prefill_graphs is None else prefill_graph_args(prefill_graphs, rest)
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-            "--hook-manager", "graphtap", "--hook-config", json.dumps(config), *probe, *rest]
+            "--hook-manager", "graphtap", "--hook-config", json.dumps(config), *probe,
+            *graphs, *rest]
+
+
+# vllm serve's flags that --prefill-graphs sets (vLLM reads either spelling, and
+# --compilation-config.KEY / -cc.KEY set one key of it)
+_GRAPH_FLAGS = ("--max-num-batched-tokens", "--max_num_batched_tokens",
+                "--compilation-config", "--compilation_config", "-cc", "--enforce-eager",
+                "--enforce_eager")
+
+
+def prefill_graph_args(tokens: int, rest: list[str]) -> list[str]:
+    """vllm serve's arguments for steps of `tokens` tokens replayed from CUDA graphs
+    (graph_sizes.py): a capturing server's prefill steps then leave the host out, as a
+    harvest's do (benchmarks/results, group llama3-8b-ttft-graphs). A flag of the
+    caller's that sets the same thing is refused, naming both, never silently
+    overridden either way."""
+    from graphtap.graph_sizes import prefill_compilation_config
+
+    if tokens < 1:
+        raise ValueError(f"graphtap serve: --prefill-graphs must be at least 1 token, "
+                         f"not {tokens}")
+    for arg in rest:
+        flag = arg.split("=", 1)[0]
+        if any(flag == f or flag.startswith(f + ".") for f in _GRAPH_FLAGS):
+            raise ValueError(f"graphtap serve: --prefill-graphs sets the step budget and "
+                             f"the compilation config itself; drop {flag} or "
+                             f"--prefill-graphs")
+    return ["--max-num-batched-tokens", str(tokens),
+            "--compilation-config", json.dumps(prefill_compilation_config(tokens))]
 
 
 def _serve(args, rest: list[str]) -> int:
-    argv = serve_argv(args.model, args.sites, args.hook_config, rest)
+    if args.prefill_graphs is not None and not has_gpu():
+        raise SystemExit("graphtap serve: --prefill-graphs needs a GPU (CUDA graphs)")
+    try:
+        argv = serve_argv(args.model, args.sites, args.hook_config, rest,
+                          args.prefill_graphs)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     env = dict(os.environ)
     if "TRITON_INTERPRET" not in env and not has_gpu():
         env["TRITON_INTERPRET"] = "1"  # Model Runner V2's kernels on a CPU (patch 0001)
@@ -228,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--sites", nargs="+", help="hook sites that get ops (default: every "
                                                   "residual site), e.g. 'blocks.*.hook_resid_post'")
     serve.add_argument("--hook-config", help="JSON hook_config (--sites replaces its sites)")
+    serve.add_argument("--prefill-graphs", type=int, metavar="TOKENS",
+                       help="steps of TOKENS tokens, CUDA graphs captured up to them (GPU): "
+                            "prefill steps replay graphs instead of launching every kernel "
+                            "and hook op from the host; costs capture time and graph memory "
+                            "at start")
     sites = sub.add_parser("sites", help="every hook site of a model with its row shape")
     sites.add_argument("model", help="a model directory (or a name already in the HF cache)")
     sites.add_argument("--json", action="store_true")
