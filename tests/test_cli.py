@@ -20,7 +20,7 @@ def test_serve_passes_graphtap_and_vllm_arguments_through():
     assert own.count("--worker-extension-cls") == 1  # the caller's own wins
 
 
-def test_serve_prefill_graphs_become_vllm_serve_settings():
+def test_serve_prefill_graphs_become_vllm_serve_settings(monkeypatch):
     """`graphtap serve --prefill-graphs 2048`: vllm serve reads a 2048-token step budget and
     graph_sizes' capture sizes from the arguments it is given (on the H200 a capturing
     server's TTFT at 64 at once: benchmarks/results, group llama3-8b-ttft-graphs). A flag
@@ -47,8 +47,10 @@ def test_serve_prefill_graphs_become_vllm_serve_settings():
             serve_argv("m", None, None, [flag, "x"], prefill_graphs=2048)
     with pytest.raises(ValueError, match="at least 1 token"):
         serve_argv("m", None, None, [], prefill_graphs=0)
+    # as on a machine without one (with one, main would exec vllm serve)
+    monkeypatch.setattr("graphtap.cli.has_gpu", lambda: False)
     with pytest.raises(SystemExit, match="--prefill-graphs needs a GPU"):
-        main(["serve", "m", "--prefill-graphs", "2048"])  # this machine has none
+        main(["serve", "m", "--prefill-graphs", "2048"])
 
 
 def test_sites_lists_every_site_with_its_row_shape(qwen2_path):

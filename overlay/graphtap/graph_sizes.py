@@ -7,9 +7,8 @@ harvest (benchmarks/results, group llama3-8b-sink-overlap). Graphs up to the ste
 token budget take the host out of those steps; the price is capture time and graph
 memory at start, which a long harvest repays and a latency-bound server may not, so
 `graphtap harvest` takes them on a GPU by default and a server only when asked
-(`graphtap serve --prefill-graphs TOKENS`). Hook
-ops sit inside the pieces (placement is static), so nothing of graphtap changes with
-the sizes."""
+(`graphtap serve --prefill-graphs TOKENS`). Hook ops sit inside the pieces (placement is
+static), so nothing of graphtap changes with the sizes."""
 from __future__ import annotations
 
 VLLM_DEFAULT_MAX = 512  # vLLM's own cap on its automatic sizes (CompilationConfig)
