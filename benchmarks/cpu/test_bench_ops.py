@@ -367,3 +367,30 @@ def test_admission_tables(benchmark, fresh):
         cap.remove_request("r")
 
     benchmark.pedantic(lambda s: admit(s), setup=lambda: ((spec()[0],), {}), rounds=300)
+
+
+@pytest.mark.parametrize("max_len", [2048, 131072])
+def test_admission_by_max_len(benchmark, max_len):
+    """The worker's half of a capture request's admission (3 last-prompt sites, written
+    and removed again) at a short and a long model length: position rules go through
+    runs, not masks over max_model_len, so a 128k-token model admits like a 2k one but
+    for the slot row's wider bitmap."""
+    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 32))
+    et = allocate(Sizes(max_reqs=R, max_tokens=512, max_len=max_len, num_sites=len(sites),
+                        hidden=H, steer_width=H, dtype=torch.float32, max_steers=E,
+                        max_vectors=V, max_captures=4, capture_rows=64, capture_width=H,
+                        pattern_rows=16, num_heads=32, patterns=False), TORCH,
+                  torch.device("cpu"))
+    cap = CaptureFamily(et.ops.capture, et.capture, et.slots, widths={"resid_post": (H, 0)},
+                        backend=TORCH, sites=sites, max_len=max_len,
+                        model_dtype=torch.float32)
+    spec = NormalisedSpec(capture=tuple(
+        CaptureEntry(layer, "resid_post", f"blocks.{layer}.hook_resid_post", "float32", None,
+                     "last_prompt") for layer in (8, 16, 24)))
+
+    def admit():
+        cap.add_request(7, "r", 1000, spec)
+        et.slots.apply()
+        cap.remove_request("r")
+
+    benchmark(admit)

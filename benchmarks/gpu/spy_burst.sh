@@ -7,6 +7,8 @@
 #     bash benchmarks/gpu/spy_burst.sh llama3-8b SECONDS PYSPY_WHEEL_DIR
 # $OUT gets engine.txt and frontend.txt (py-spy's raw collapsed stacks, thread ids on),
 # the bench's log and result; benchmarks/gpu/spy_report.py sums them per function.
+# SPY_TIMELINE=1: the engine core as a timeline instead (engine.json.gz: py-spy's Chrome
+# trace, waiting threads included), which benchmarks/gpu/spy_timeline.py reads per burst.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=$1 seconds=$2 wheels=$3
@@ -26,7 +28,13 @@ record() {  # record NAME PID
   "$spy" record --nonblocking --threads --full-filenames -r 1000 -d "$seconds" -f raw \
     -o "$OUT/$1.txt" -p "$2" > "$OUT/spy-$1.log" 2>&1 || tail -5 "$OUT/spy-$1.log"
 }
-record engine "$engine" &
+if [ "${SPY_TIMELINE:-0}" = 1 ]; then
+  "$spy" record --nonblocking --threads --full-filenames --idle -r 1000 -d "$seconds" \
+    -f chrometrace -o "$OUT/engine.json" -p "$engine" > "$OUT/spy-engine.log" 2>&1 &&
+    gzip "$OUT/engine.json" || tail -5 "$OUT/spy-engine.log" &
+else
+  record engine "$engine" &
+fi
 spy_engine=$!
 record frontend "$frontend"
 wait $spy_engine

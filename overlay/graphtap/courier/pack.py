@@ -62,6 +62,13 @@ def packed_index(counts: np.ndarray, sites: np.ndarray, rows: np.ndarray,
     return out
 
 
+def run_starts(changed: np.ndarray) -> np.ndarray:
+    """Where each run starts, from `changed[i]`: element i + 1 differs from element i
+    (np.r_ would do it in one expression at several times the cost: the split calls
+    this a few times per step, on the first token's critical path)."""
+    return np.flatnonzero(np.concatenate(([True], changed)))
+
+
 def ramp(sizes: np.ndarray) -> np.ndarray:
     """0..n-1 for each n in sizes, concatenated."""
     total = int(sizes.sum())

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import ERROR, error_tensor, positions_key
-from graphtap.courier.pack import SOLO_BYTES, pack_key, packed_index, ramp, row_bytes
+from graphtap.courier.pack import (SOLO_BYTES, pack_key, packed_index, ramp, row_bytes,
+                                   run_starts)
 from graphtap.courier.sink import SinkFailed
 from graphtap.courier.sink_labels import SlotRequests
 from graphtap.courier.snapshot import LabelledStep
@@ -107,21 +108,21 @@ class CaptureStep(LabelledStep):
             packed = solo == 0
             if packed.any():
                 p_slot, p_n = slot[packed], n[packed]
-                firsts = np.flatnonzero(np.r_[True, p_slot[1:] != p_slot[:-1]])
-                sites = np.diff(np.r_[firsts, len(p_n)])  # each request's packed sites
+                firsts = run_starts(p_slot[1:] != p_slot[:-1])
+                sites = np.diff(np.append(firsts, len(p_n)))  # each request's packed sites
                 rows = np.add.reduceat(p_n, firsts)  # and their rows
                 index = torch.from_numpy(packed_index(
                     p_n, sites, rows, positions[np.repeat(packed, n)])).split(
                         (sites + rows).tolist())
             # the data's pieces: per request its pack (if any), then each solo site (a
             # piece starts at a new request and at every solo member)
-            firsts = np.flatnonzero(np.r_[True, (slot[1:] != slot[:-1]) | (solo[1:] != 0)])
+            firsts = run_starts((slot[1:] != slot[:-1]) | (solo[1:] != 0))
             sizes = np.add.reduceat(n, firsts).tolist()
             parts = data.split(sizes)
             pos = torch.from_numpy(positions).split(sizes)
             packs_seen = 0
             for first, end, rows_part, pos_part in zip(
-                    firsts.tolist(), np.r_[firsts[1:], len(members)].tolist(), parts, pos):
+                    firsts.tolist(), np.append(firsts[1:], len(members)).tolist(), parts, pos):
                 chunk = out.setdefault(members[first][5], {})
                 if solo[first]:  # its own tensor: it reaches the frontend as its own
                     name = self.site_names[members[first][2]]

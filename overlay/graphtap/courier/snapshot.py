@@ -17,6 +17,7 @@ import torch
 from vllm.v1.outputs import HookPayload
 
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
+from graphtap.courier.pack import run_starts
 from graphtap.courier.payload import seal
 from graphtap.ops.tables import Label
 from graphtap.profiling import named
@@ -181,12 +182,12 @@ class LabelledStep:
         if not len(labels):
             return
         keys = group_keys(labels[:, slot_col], labels[:, site_col])
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-        ends = np.r_[starts[1:], len(labels)]
+        starts = run_starts(keys[1:] != keys[:-1])
+        ends = np.append(starts[1:], len(labels))
         # A group is a plain slice when its rows sit in order in the buffer: no break
         # (a step other than +1 in perm) inside it. Vectorised: one pass per step, not
         # per group (a decode step of 64 requests x 3 sites has 192 one-row groups).
-        breaks = np.r_[0, np.cumsum(np.diff(perm) != 1)]
+        breaks = np.concatenate(([0], np.cumsum(np.diff(perm) != 1)))
         in_order = (breaks[ends - 1] - breaks[starts]) == 0
         for start, end, slot, site, plain, first in zip(
                 starts.tolist(), ends.tolist(), labels[starts, slot_col].tolist(),
@@ -233,6 +234,6 @@ def grouped_in_order(labels: np.ndarray, order: tuple[int, ...]) -> bool:
         ordered |= greater
     if not np.all(~same | ordered):
         return False
-    starts = np.flatnonzero(np.r_[True, ~same])
+    starts = run_starts(~same)
     keys = group_keys(a[starts], b[starts])
     return len(np.unique(keys)) == len(keys)  # no group split over two runs

@@ -19,7 +19,7 @@ from graphtap.engine.tables import EntryFields
 from graphtap.engine.wanted import Wants, WantTable, positions_end, rows_in_step
 from graphtap.ops.tables import Label, RowTables
 from graphtap.spec.entries import NormalisedSpec
-from graphtap.spec.positions import mask_bitmap
+from graphtap.spec.positions import runs_bitmap
 from graphtap.spec.sites import SiteTable
 
 
@@ -98,10 +98,10 @@ class RowFamily(FamilyBase):
             dtype = self.model_dtype if entry.dtype == "model" else torch.float32
             site[i] = sid
             formats[sid], per_token = self.describe(entry, dtype)
-            mask = wanted.add(entry.positions, prompt_len, per_token)
+            runs = wanted.add(entry.positions, prompt_len, per_token)
             rule = repr(entry.positions)  # entries mostly share one rule: one bitmap
             if rule not in bitmaps:
-                bitmaps[rule] = mask_bitmap(mask, pos.shape[1])
+                bitmaps[rule] = runs_bitmap(runs, pos.shape[1])
             pos[i] = bitmaps[rule]
             self.write_extra(slot, i, entry)
         if entries:

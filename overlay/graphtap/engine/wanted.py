@@ -9,27 +9,26 @@ from typing import NamedTuple
 
 import numpy as np
 
-from graphtap.spec.positions import position_mask
+from graphtap.spec.positions import position_runs, runs_count
 
 
 class Wants:
-    """A request's wanted positions, one bool mask per distinct position rule, each with
-    the rows a wanted token yields (entries using the rule; heads, for patterns)."""
+    """A request's wanted positions, one set of runs per distinct position rule, each
+    with the rows a wanted token yields (entries using the rule; heads, for patterns)."""
 
     def __init__(self, max_len: int):
         self.max_len = max_len
-        self._by_rule: dict[str, list] = {}  # repr(rule) -> [mask, rows per token]
+        self._by_rule: dict[str, list] = {}  # repr(rule) -> [runs, rows per token]
         self.end = 0  # past the last wanted position: decoding past a probe costs nothing
 
-    def add(self, rule, prompt_len: int, rows_per_token: int) -> np.ndarray:
-        """Adds an entry's rule; returns the rule's mask over positions (the family's
-        bitmap is made from it: one mask per rule)."""
+    def add(self, rule, prompt_len: int, rows_per_token: int) -> tuple[np.ndarray, np.ndarray]:
+        """Adds an entry's rule; returns the rule's runs (spec.positions.position_runs:
+        the family's bitmap is made from them, once per rule)."""
         key = repr(rule)
         if key not in self._by_rule:
-            mask = position_mask(rule, prompt_len, self.max_len)
-            self._by_rule[key] = [mask, 0]
-            wanted = np.flatnonzero(mask)
-            self.end = max(self.end, int(wanted[-1]) + 1 if wanted.size else 0)
+            runs = position_runs(rule, prompt_len, self.max_len)
+            self._by_rule[key] = [runs, 0]
+            self.end = max(self.end, int(runs[1][-1]) if runs[1].size else 0)
         self._by_rule[key][1] += rows_per_token
         return self._by_rule[key][0]
 
@@ -37,8 +36,8 @@ class Wants:
         """Upper bound on rows from `tokens` tokens at positions within [lo, hi)."""
         if lo >= self.end:
             return 0
-        return sum(per * min(tokens, int(np.count_nonzero(mask[lo:hi])))
-                   for mask, per in self._by_rule.values())
+        return sum(per * min(tokens, runs_count(runs, lo, hi))
+                   for runs, per in self._by_rule.values())
 
 
 class WantTable:
@@ -54,7 +53,7 @@ class WantTable:
         self._flat: tuple[np.ndarray, ...] | None = None
 
     def set(self, slot: int, wants: Wants) -> None:
-        self._by_slot[slot] = ([(*_runs(mask), per) for mask, per in wants._by_rule.values()],
+        self._by_slot[slot] = ([(*runs, per) for runs, per in wants._by_rule.values()],
                                wants.end)
         self._flat = None
 
@@ -112,12 +111,6 @@ class WantTable:
             rule_slot = np.array(rule_slot, np.int64)
             self._flat = (starts, ends, rules, rule_slot, np.array(per, np.int64), last)
         return self._flat
-
-
-def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[start, end) of each run of True in mask."""
-    edges = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
-    return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
 
 
 def rows_in_step(wants: dict[str, Wants], input_batch) -> list[tuple[int, str, int]]:

@@ -3,10 +3,8 @@ bytes one request may get back (host memory in the engine core and the frontend,
 request's rows gather until it finishes)."""
 from __future__ import annotations
 
-import numpy as np
-
 from graphtap.spec.entries import NormalisedSpec
-from graphtap.spec.positions import position_mask
+from graphtap.spec.positions import rule_count, rule_keys
 from graphtap.spec.sites import KV_HEAD_KINDS, RESID_KINDS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -22,13 +20,18 @@ def response_rows(spec: NormalisedSpec, prompt_len: int, max_tokens: int, max_le
     def count(rule) -> int:
         key = repr(rule)
         if key not in counts:
-            counts[key] = int(np.count_nonzero(position_mask(rule, prompt_len, max_len)[:ran]))
+            counts[key] = _ran(rule, prompt_len, max_len, ran)
         return counts[key]
 
     return (sum(count(c.positions) for c in spec.capture if not c.sink) +
             sum(count(p.positions) * len(p.heads) for p in spec.pattern) +
             sum(count(p.positions) for p in spec.probe) +
             sum(count(m.positions) * len(m.heads) for m in spec.mass))
+
+
+def _ran(rule, prompt_len: int, max_len: int, ran: int) -> int:
+    """The rule's positions among the first `ran` (those that run through the model)."""
+    return rule_count(rule, prompt_len, max_len, 0, ran)
 
 
 def check_response_rows(spec: NormalisedSpec, prompt_len: int, max_tokens: int,
@@ -58,18 +61,14 @@ def response_bytes(spec: NormalisedSpec, prompt_len: int, max_tokens: int, shape
         else:
             heads = shape.num_kv_heads if c.kind in KV_HEAD_KINDS else shape.num_heads
             width = len(c.heads or range(heads)) * head_dim
-        total += int(np.count_nonzero(position_mask(c.positions, prompt_len, max_len)[:ran])) \
-            * width * size
+        total += _ran(c.positions, prompt_len, max_len, ran) * width * size
     for p in spec.pattern:
         size = 4 if p.dtype == "float32" else model
-        wanted = np.flatnonzero(position_mask(p.positions, prompt_len, max_len)[:ran])
-        total += int((wanted + 1).sum()) * len(p.heads) * size
+        total += rule_keys(p.positions, prompt_len, max_len, ran) * len(p.heads) * size
     for p in spec.probe:  # float32 scores
-        total += int(np.count_nonzero(position_mask(p.positions, prompt_len, max_len)[:ran])) \
-            * len(p.vectors) * 4
+        total += _ran(p.positions, prompt_len, max_len, ran) * len(p.vectors) * 4
     for m in spec.mass:  # float32 masses per (query, head, span)
-        total += int(np.count_nonzero(position_mask(m.positions, prompt_len, max_len)[:ran])) \
-            * len(m.heads) * len(m.spans) * 4
+        total += _ran(m.positions, prompt_len, max_len, ran) * len(m.heads) * len(m.spans) * 4
     return total
 
 

@@ -1,0 +1,134 @@
+"""Host time of a capturing step's per-step work on this machine, without an engine: the
+step plan, the token routing and the row routing (their Triton launches and fills), and
+the snapshot's clones, for a prefill step of 8 requests x 256 tokens capturing 3 sites at
+the last prompt position (bench_tpot's hs), each timed over many calls with one device
+sync at the end; and the device time of the row routing's kernels (CUDA events), whose
+fit scan is one program over every request slot. Needs torch and Triton only:
+
+    PYTHONPATH=overlay python3 -m benchmarks.gpu.route_launch [--max-reqs 64,1024]
+
+Prints one JSON line per (max_reqs, sites).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from graphtap.engine.families.capture import CaptureFamily
+from graphtap.engine.router import TokenRouter
+from graphtap.engine.tables import Sizes, allocate
+from graphtap.ops.backend import select_backend
+from graphtap.spec import CaptureEntry, NormalisedSpec
+from graphtap.spec.sites import SiteTable, expand_patterns
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def batch(reqs: int, tokens: int) -> SimpleNamespace:
+    n = reqs * tokens
+    qsl = np.arange(0, n + 1, tokens, dtype=np.int32)
+    return SimpleNamespace(
+        req_ids=[f"r{i}" for i in range(reqs)], num_reqs=reqs, num_tokens=n,
+        num_tokens_after_padding=n, query_start_loc_np=qsl,
+        query_start_loc=torch.from_numpy(qsl).to(DEV),
+        idx_mapping=torch.arange(reqs, dtype=torch.int32, device=DEV),
+        idx_mapping_np=np.arange(reqs, dtype=np.int32),
+        num_computed_tokens_np=np.zeros(reqs, np.int32),
+        num_scheduled_tokens=np.full(reqs, tokens),
+        positions=(torch.arange(n, device=DEV) % tokens))
+
+
+def host_us(fn, n: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    sync()
+    return round(host, 1)
+
+
+def device_us(fn, n: int = 100) -> float | None:
+    if DEV.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / n * 1000, 1)
+
+
+def measure(max_reqs: int, num_sites: int, reqs: int = 8, tokens: int = 256) -> dict:
+    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], num_sites))
+    backend = select_backend(DEV)
+    et = allocate(Sizes(max_reqs=max_reqs, max_tokens=2048, max_len=4096,
+                        num_sites=len(sites), hidden=4096, steer_width=4096,
+                        dtype=torch.bfloat16, max_steers=4, max_vectors=8, max_captures=4,
+                        capture_rows=8192, capture_width=4096, pattern_rows=16,
+                        num_heads=32, patterns=False), backend, DEV)
+    cap = CaptureFamily(et.ops.capture, et.capture, et.slots,
+                        widths={"resid_post": (4096, 0)}, backend=backend, sites=sites,
+                        max_len=4096, model_dtype=torch.bfloat16)
+    router = TokenRouter(et.ops)
+    spec = NormalisedSpec(capture=tuple(
+        CaptureEntry(layer, "resid_post", f"blocks.{layer}.hook_resid_post", "bfloat16", None,
+                     "last_prompt") for layer in range(3)))
+    for i in range(reqs):
+        cap.add_request(i, f"r{i}", tokens, spec)
+    et.slots.apply()
+    b = batch(reqs, tokens)
+    n = b.num_tokens_after_padding
+    t = et.ops.capture
+
+    def tokens_route():
+        router.invalidate()
+        router.route(b)
+
+    def rows_route():
+        backend.route_rows(t, router.tok_slot[:n], router.tok_row[:n], b.positions[:n], 4096)
+
+    def step():
+        plan = cap.plan(b)
+        tokens_route()
+        cap.route(b, router, plan)
+        return cap.snapshot()
+
+    step()
+    sync()
+    got = int(t.count[0])
+    return {"max_reqs": max_reqs, "sites": num_sites, "rows_routed": got,
+            "host_us": {"plan": host_us(lambda: cap.plan(b)), "route_tokens": host_us(tokens_route),
+                        "route_rows": host_us(rows_route), "snapshot": host_us(cap.snapshot),
+                        "step": host_us(step)},
+            "device_us": {"route_rows": device_us(rows_route),
+                          "route_tokens": device_us(tokens_route)}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-reqs", default="64,1024")
+    ap.add_argument("--sites", default="32")
+    args = ap.parse_args()
+    for r in (int(x) for x in args.max_reqs.split(",")):
+        for s in (int(x) for x in args.sites.split(",")):
+            print(json.dumps(measure(r, s)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
