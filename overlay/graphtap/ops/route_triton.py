@@ -20,6 +20,7 @@ import triton.language as tl
 from graphtap.ops.tables import LABELS, ROUTE_MIN_BLOCK, Label, RowTables
 
 BLOCK = 1024
+FIT_BLOCK = 1024  # request slots per pass of the fit's sum
 
 
 @triton.jit(do_not_specialize=["n", "num_reqs"])
@@ -91,15 +92,26 @@ def _flags_kernel(slot_ptr, pos_ptr, site_ptr, bits_ptr, heads_ptr, flags_ptr, c
 
 
 @triton.jit(do_not_specialize=["slots"])
-def _fit_kernel(wanted_ptr, fits_ptr, slots, K):
-    """One program: slots taken whole, in order, while the buffer has room (a scan of a
-    few hundred scalars at most; route.py's _fit_requests)."""
-    used = tl.zeros((), dtype=tl.int64)
-    for s in range(0, slots):
-        c = tl.load(wanted_ptr + s)
-        take = used + c <= K
-        tl.store(fits_ptr + s, take.to(tl.int32))
-        used += tl.where(take, c, 0)
+def _fit_kernel(wanted_ptr, fits_ptr, slots, K, BLOCK: tl.constexpr):
+    """One program: slots taken whole, in order, while the buffer has room (route.py's
+    _fit_requests). When every slot fits (the usual step), blocks of slots at a time;
+    only a step that overflows scans them one by one (a scalar load per slot: vLLM
+    serves up to 1024 sequences on an H200 by default)."""
+    total = tl.zeros((), dtype=tl.int64)
+    for s0 in range(0, slots, BLOCK):
+        offs = s0 + tl.arange(0, BLOCK)
+        total += tl.sum(tl.load(wanted_ptr + offs, mask=offs < slots, other=0), axis=0)
+    if total <= K:
+        for s0 in range(0, slots, BLOCK):
+            offs = s0 + tl.arange(0, BLOCK)
+            tl.store(fits_ptr + offs, tl.full([BLOCK], 1, tl.int32), mask=offs < slots)
+    else:
+        used = tl.zeros((), dtype=tl.int64)
+        for s in range(0, slots):
+            c = tl.load(wanted_ptr + s)
+            take = used + c <= K
+            tl.store(fits_ptr + s, take.to(tl.int32))
+            used += tl.where(take, c, 0)
 
 
 @triton.jit(do_not_specialize=["n", "nb"])
@@ -196,7 +208,7 @@ def route_rows_triton(t: RowTables, slot: torch.Tensor, brow: torch.Tensor,
     _flags_kernel[grid](slot, positions, t.entry_site, t.entry_pos, heads_table, t.flags,
                         t.block_counts, t.count[1:], n, nb, N, w, stride, max_len, C=c,
                         HEADS=heads, BLOCK=block)
-    _fit_kernel[(1,)](t.count[1:], t.fits, t.fits.shape[0], t.rows)
+    _fit_kernel[(1,)](t.count[1:], t.fits, t.fits.shape[0], t.rows, BLOCK=FIT_BLOCK)
     _refit_kernel[grid](slot, t.fits, t.flags, t.block_counts, n, nb, N, BLOCK=block)
     cols = dict(L=LABELS, C_SLOT=int(Label.SLOT), C_SITE=int(Label.SITE),
                 C_POS=int(Label.POSITION), C_HEAD=int(Label.HEAD), C_TOKEN=int(Label.TOKEN),
