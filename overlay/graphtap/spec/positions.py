@@ -111,9 +111,9 @@ def runs_bitmap(runs: tuple[np.ndarray, np.ndarray], words: int) -> np.ndarray:
     two edge words of each run by their bits."""
     starts, ends = runs
     if len(starts) > 64:  # many scattered positions: one pass over a mask is cheaper
-        mask = np.zeros(words * 32, dtype=bool)
-        mask[np.repeat(starts, ends - starts) + _ramp(ends - starts)] = True
-        return mask_bitmap(mask, words)
+        edges = np.zeros(words * 32 + 1, dtype=np.int8)  # runs are apart: no edge shared
+        edges[starts], edges[ends] = 1, -1
+        return mask_bitmap(np.cumsum(edges[:-1]) > 0, words)
     out = np.zeros(words, np.uint32)
     for s, e in zip(starts.tolist(), ends.tolist()):
         first, last = s >> 5, (e - 1) >> 5
@@ -126,12 +126,6 @@ def runs_bitmap(runs: tuple[np.ndarray, np.ndarray], words: int) -> np.ndarray:
             out[first + 1:last] = 0xFFFFFFFF
             out[last] |= tail
     return out.view(np.int32)
-
-
-def _ramp(n: np.ndarray) -> np.ndarray:
-    """0..n[i]-1 for each i, concatenated."""
-    total = int(n.sum())
-    return np.arange(total) - np.repeat(np.cumsum(n) - n, n)
 
 
 def position_bitmap(rule, prompt_len: int, max_len: int, words: int) -> np.ndarray:
