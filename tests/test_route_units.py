@@ -135,7 +135,8 @@ def test_triton_token_routing_matches_the_reference(n):
         qsl = torch.cat([qsl, torch.full((3,), used, dtype=torch.int32)])  # stale tail
         idx = torch.randperm(8, generator=g)[:num_reqs]
         route_tokens_reference(*ref, sentinel, qsl, idx, n, num_reqs)
-        route_tokens_triton(*tri, sentinel, qsl, idx, n, num_reqs, block=16)
+        route_tokens_triton(*tri, sentinel, qsl, idx, n,
+                            torch.tensor([num_reqs], dtype=torch.int32), block=16)
         assert torch.equal(tri[0], ref[0]), (seed, qsl, idx)
         assert torch.equal(tri[1], ref[1]), seed
         assert (ref[0][used:n] == sentinel).all()

@@ -28,6 +28,7 @@ from graphtap.engine.families.steer import SteerFamily
 from graphtap.engine.families.vectors import VectorBank
 from graphtap.engine.heads import head_split
 from graphtap.engine.router import TokenRouter
+from graphtap.engine.rows import RowFamily
 from graphtap.engine.tables import Sizes, allocate
 from graphtap.ops.backend import select_backend
 from graphtap.profiling import named
@@ -151,6 +152,9 @@ class EngineHooks(HookManager):
             self.families.append(PatternFamily(tables.ops.pattern, tables.pattern, tables.slots,
                                                key_caches=tables.ops.key_caches, **rows))
             self.families.append(MassFamily(tables.ops.mass, tables.mass, tables.slots, **rows))
+        # after every family: their row routing joins the token routing's CUDA graphs
+        self.router.capture_graphs([f.t for f in self.families if isinstance(f, RowFamily)],
+                                   mc.max_model_len)
         self._guards: dict[str, tuple] = {}  # req_id -> (GuardEntry, prompt_len)
         logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB",
                     len(self.sites), [f.name for f in self.families], backend.name,

@@ -1,11 +1,17 @@
 """The token router: per step, each token row's request slot and batch row, on the
 device, once for every family (steering reads it directly; row families route their
-units from it). Padding rows and steps nobody acts in map to the sentinel slot."""
+units from it). Padding rows and steps nobody acts in map to the sentinel slot.
+
+Where the routing kernels read the request count from the device (Triton), the router
+stages the step's layout and positions into buffers of its own first, so that its
+launches and the row families' read fixed addresses only; on a GPU they are then
+replayed from CUDA graphs captured at start (engine/route_graphs.py)."""
 from __future__ import annotations
 
 import torch
 
-from graphtap.ops.tables import OpTables
+from graphtap.engine import route_graphs
+from graphtap.ops.tables import OpTables, RowTables
 
 
 class TokenRouter:
@@ -16,12 +22,26 @@ class TokenRouter:
         self.positions = positions  # keep tok_pos (ops at slots without positions)
         self._last_layout: tuple | None = None
         self._idle = True
+        self.graphs: route_graphs.RouteGraphs | None = None
+        self.staged = tables.backend.device_counts
+        if self.staged:  # the batch's layout at fixed addresses (route_tokens_triton)
+            device, slots = tables.tok_slot.device, tables.sentinel + 1
+            self._qsl = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+            self._idx = torch.zeros(slots, dtype=torch.int32, device=device)
+            self._nreq = torch.zeros(1, dtype=torch.int32, device=device)
         if tables.backend.name != "torch":
-            # Compile the kernel now, not in the first hooked step, with the batch's
-            # dtypes (query start locations int32, batch row -> slot int64).
-            device = tables.tok_slot.device
-            qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
-            self._launch(qsl, torch.full((1,), tables.sentinel, device=device), 1, 1)
+            # Compile the kernel now, not in the first hooked step (only the sentinel
+            # request, one token).
+            if self.staged:
+                self._qsl[1] = 1
+                self._idx.fill_(tables.sentinel)
+                self._nreq.fill_(1)
+                self._launch_tokens(1)
+            else:
+                qsl = torch.tensor([0, 1], dtype=torch.int32, device=tables.tok_slot.device)
+                self.t.backend.route_tokens(
+                    self.t.tok_slot, self.t.tok_row, self.t.sentinel, qsl,
+                    torch.full_like(self.t.tok_slot[:1], self.t.sentinel), 1, 1)
             self.deactivate(force=True)
 
     @property
@@ -32,24 +52,68 @@ class TokenRouter:
     def tok_row(self) -> torch.Tensor:
         return self.t.tok_row
 
-    def _launch(self, qsl, idx_mapping, n: int, num_reqs: int) -> None:
-        self.t.backend.route_tokens(self.t.tok_slot, self.t.tok_row, self.t.sentinel, qsl,
-                                    idx_mapping, n, num_reqs)
+    # ---------------------------------------------------------------- start
+    def capture_graphs(self, row_tables: list[RowTables], max_len: int,
+                       capture=None) -> None:
+        """Capture the routing of every token bucket (a GPU with device counts; not
+        with GRAPHTAP_ROUTING_GRAPHS=0). Called once, after every family exists.
+        `capture`: RouteGraphs' (tests replay the bodies on CPU)."""
+        if capture is None and not route_graphs.wanted(self.t.tok_slot.device,
+                                                       self.t.backend):
+            return
+        rows = {id(t): (lambda n, t=t: self._launch_rows(t, n, max_len)) for t in row_tables}
+        self.graphs = route_graphs.RouteGraphs.build(self.t.tok_slot.shape[0],
+                                                     self._launch_tokens, rows, capture)
+        self.deactivate(force=True)
 
+    # ---------------------------------------------------------------- launches
+    def _launch_tokens(self, n: int) -> None:
+        self.t.backend.route_tokens(self.t.tok_slot, self.t.tok_row, self.t.sentinel,
+                                    self._qsl, self._idx, n, self._nreq)
+
+    def _launch_rows(self, t: RowTables, n: int, max_len: int) -> None:
+        self.t.backend.route_rows(t, self.t.tok_slot[:n], self.t.tok_row[:n],
+                                  self.t.tok_pos[:n], max_len)
+
+    # ---------------------------------------------------------------- steps
     def route(self, input_batch, positions: bool = True) -> None:
         """Map the step's token rows; `positions`: a request of the step needs tok_pos
-        (head steering), so copy them too (they move every step, whatever the layout)."""
+        (head steering), so copy them too (they move every step, whatever the layout).
+        Staged routing always copies them: the row routing reads them there."""
         n = input_batch.num_tokens_after_padding
-        if self.positions and positions:
+        if self.staged or (self.positions and positions):
             self.t.tok_pos[:n].copy_(input_batch.positions[:n], non_blocking=True)
         layout = (tuple(input_batch.req_ids), input_batch.num_tokens, n,
                   input_batch.query_start_loc_np[: input_batch.num_reqs + 1].tobytes())
         if layout == self._last_layout:
             return  # same requests, same token rows: the table already says this
-        self._launch(input_batch.query_start_loc, input_batch.idx_mapping, n,
-                     input_batch.num_reqs)
+        num_reqs = input_batch.num_reqs
+        if not self.staged:
+            self.t.backend.route_tokens(self.t.tok_slot, self.t.tok_row, self.t.sentinel,
+                                        input_batch.query_start_loc,
+                                        input_batch.idx_mapping, n, num_reqs)
+        else:
+            self._qsl[:num_reqs + 1].copy_(input_batch.query_start_loc[:num_reqs + 1],
+                                           non_blocking=True)
+            self._idx[:num_reqs].copy_(input_batch.idx_mapping[:num_reqs], non_blocking=True)
+            self._nreq.fill_(num_reqs)
+            if self.graphs is not None:
+                self.graphs.tokens(n)
+            else:
+                self._launch_tokens(n)
         self._last_layout = layout
         self._idle = False
+
+    def route_rows(self, t: RowTables, input_batch, max_len: int) -> None:
+        """A row family's units of this step (after `route`)."""
+        n = input_batch.num_tokens_after_padding
+        if self.graphs is not None:
+            self.graphs.rows(id(t), n)
+        elif self.staged:
+            self._launch_rows(t, n, max_len)
+        else:
+            self.t.backend.route_rows(t, self.t.tok_slot[:n], self.t.tok_row[:n],
+                                      input_batch.positions[:n], max_len)
 
     def deactivate(self, force: bool = False) -> None:
         if force or not self._idle:

@@ -143,9 +143,7 @@ class RowFamily(FamilyBase):
         return bound
 
     def route(self, input_batch, router, plan) -> None:
-        n = input_batch.num_tokens_after_padding
-        self.backend.route_rows(self.t, router.tok_slot[:n], router.tok_row[:n],
-                                input_batch.positions[:n], self.max_len)
+        router.route_rows(self.t, input_batch, self.max_len)
         self._idle = False
         bound = min(plan, self.t.rows)
         # Rows are attributed (and overflow reported) for every request of the batch

@@ -1,7 +1,8 @@
 """The implementation of every op, picked once when an engine's hook manager starts:
 torch references where there is no GPU (CPU, and the spec of truth in tests), Triton
 kernels on a GPU. `GRAPHTAP_TORCH_ROUTING=1` keeps the per-step routing as torch ops on
-GPUs too (the A/B of the routing kernels), read at that start only."""
+GPUs too (the A/B of the routing kernels), read at that start only (the router's
+CUDA graphs of the routing: engine/route_graphs.py)."""
 from __future__ import annotations
 
 import os
@@ -30,6 +31,9 @@ class Backend:
     route_rows: Callable
     probe: Callable
     mass: Callable
+    # the routing kernels read the step's request count from a device tensor (the
+    # router stages it), so their launches can be captured as CUDA graphs
+    device_counts: bool = False
 
 
 TORCH = Backend("torch", steer_reference, capture_reference, pattern_reference,
@@ -52,7 +56,7 @@ def _triton(torch_routing: bool) -> Backend:
         return Backend("triton+torch-routing", steer_triton, capture, pattern_triton,
                        route_tokens_reference, route_rows_reference, probe_triton, mass_triton)
     return Backend("triton", steer_triton, capture, pattern_triton, route_tokens_triton,
-                   route_rows_triton, probe_triton, mass_triton)
+                   route_rows_triton, probe_triton, mass_triton, device_counts=True)
 
 
 def select_backend(device: torch.device) -> Backend:

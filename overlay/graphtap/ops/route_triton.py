@@ -8,8 +8,10 @@ kernel counts the wanted units of each (site, block of tokens) and of each reque
 program decides which requests fit whole, a third drops the units of those that do
 not, and a last turns the counts before a block into its first buffer row and writes
 rows and labels. Launch
-shapes and constexprs are fixed per engine (token and request counts only set the grid
-or are not specialised), so nothing is compiled after the warm-up at start.
+shapes and constexprs are fixed per engine (token counts only set the grid or are not
+specialised; request counts are read from the device), so nothing is compiled after
+the warm-up at start, and one token count's launches can be captured once as a CUDA
+graph that serves every batch of that size (engine/route_graphs.py).
 """
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ BLOCK = 1024
 FIT_BLOCK = 1024  # request slots per pass of the fit's sum
 
 
-@triton.jit(do_not_specialize=["n", "num_reqs"])
-def _tokens_kernel(qsl_ptr, idx_ptr, slot_ptr, row_ptr, n, num_reqs, SENTINEL,
+@triton.jit(do_not_specialize=["n"])
+def _tokens_kernel(qsl_ptr, idx_ptr, nreq_ptr, slot_ptr, row_ptr, n, SENTINEL,
                    STEPS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
+    # the request count from the device, so that a captured launch serves any batch
+    num_reqs = tl.load(nreq_ptr)
     # batch row = how many of qsl[1..num_reqs] are <= the token row (searchsorted, right)
     lo = tl.zeros([BLOCK], dtype=tl.int32)
     hi = tl.zeros([BLOCK], dtype=tl.int32) + num_reqs
@@ -37,7 +41,7 @@ def _tokens_kernel(qsl_ptr, idx_ptr, slot_ptr, row_ptr, n, num_reqs, SENTINEL,
         v = tl.load(qsl_ptr + 1 + mid, mask=m & active, other=0)
         lo = tl.where(active & (v <= offs), mid + 1, lo)
         hi = tl.where(active & (v > offs), mid, hi)
-    row = tl.minimum(lo, num_reqs - 1)
+    row = tl.maximum(tl.minimum(lo, num_reqs - 1), 0)
     slot = tl.load(idx_ptr + row, mask=m, other=0).to(tl.int64)
     slot = tl.where(offs < tl.load(qsl_ptr + num_reqs), slot, SENTINEL)
     tl.store(slot_ptr + offs, slot, mask=m)
@@ -45,13 +49,15 @@ def _tokens_kernel(qsl_ptr, idx_ptr, slot_ptr, row_ptr, n, num_reqs, SENTINEL,
 
 
 def route_tokens_triton(tok_slot: torch.Tensor, tok_row: torch.Tensor, sentinel: int,
-                        qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int, num_reqs: int,
-                        block: int = BLOCK) -> None:
-    if n == 0 or num_reqs == 0:
+                        qsl: torch.Tensor, idx_mapping: torch.Tensor, n: int,
+                        num_reqs: torch.Tensor, block: int = BLOCK) -> None:
+    """num_reqs: a one-element int32 device tensor (engine/router.py stages it), not a
+    launch argument, so that the launch can be captured once per token count."""
+    if n == 0:
         return
     steps = (sentinel + 1).bit_length() + 1  # enough halvings for max_num_seqs, fixed
-    _tokens_kernel[(triton.cdiv(n, block),)](qsl, idx_mapping, tok_slot, tok_row, n, num_reqs,
-                                              sentinel, STEPS=steps, BLOCK=block)
+    _tokens_kernel[(triton.cdiv(n, block),)](qsl, idx_mapping, num_reqs, tok_slot, tok_row,
+                                              n, sentinel, STEPS=steps, BLOCK=block)
 
 
 @triton.jit

@@ -1,0 +1,100 @@
+"""The per-step routing's launches, captured once per token bucket as CUDA graphs.
+
+A capturing step routes before the forward, on the engine core's host: one token
+launch and, per row family, two fills and four kernels (ops/route_triton.py). On the
+H200's host those launches held the engine core 0.15-0.25 ms a capturing step
+(benchmarks/gpu/route_launch.py), and in a burst's first, host-bound steps that time
+reaches every request's first token. The kernels read only fixed-address tables (the
+router stages the batch's layout and positions into its own buffers, and the request
+count into a device scalar), and their grids depend on the token count alone, so one
+captured graph per token bucket serves every batch of up to that many tokens: a step
+replays one graph per routing instead of launching its kernels.
+
+Rows past the step's tokens up to the bucket are routed too: the token kernel maps them
+to the sentinel slot (past the last request's tokens), which wants nothing, so they get
+no buffer rows; the ops read only the step's rows.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+from typing import Callable
+
+import torch
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ENV = "GRAPHTAP_ROUTING_GRAPHS"  # "0": launch the routing kernels every step (the A/B)
+
+
+def buckets(max_tokens: int, block: int) -> list[int]:
+    """Token counts a graph is captured for: the kernels' block, doubling, up to the
+    step's most tokens (grids only differ by whole blocks; a bucket at most doubles the
+    kernels' masked work, which is microseconds)."""
+    out, b = [], block
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    return out + [max_tokens]
+
+
+def wanted(device: torch.device, backend) -> bool:
+    return device.type == "cuda" and backend.device_counts and os.environ.get(ENV, "") != "0"
+
+
+def cuda_graphs() -> Callable[[Callable[[], None]], "torch.cuda.CUDAGraph"]:
+    """Capture one body as a CUDA graph (all in one memory pool: they allocate nothing)."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        body()  # warm: every launch compiled and its arguments bound before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: vLLM's other threads may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            body()
+        return graph
+    return capture
+
+
+class RouteGraphs:
+    """One engine's routing graphs: for each bucket the token routing, and per row
+    family (key) its row routing. `tokens(n)` / `rows(key, n)` replay the smallest
+    bucket of at least n tokens. `capture` turns a body into something with `replay()`
+    (CUDA graphs; the CPU tests run the bodies at the bucket's size instead)."""
+
+    def __init__(self, sizes: list[int], tokens: Callable[[int], None],
+                 rows: dict[int, Callable[[int], None]], capture=None):
+        capture = capture or cuda_graphs()
+        self.sizes = sizes
+        self._tokens = [capture(lambda b=b: tokens(b)) for b in sizes]
+        self._rows = {key: [capture(lambda b=b, f=fn: f(b)) for b in sizes]
+                      for key, fn in rows.items()}
+
+    def bucket(self, n: int) -> int:
+        return bisect.bisect_left(self.sizes, n)
+
+    def tokens(self, n: int) -> None:
+        self._tokens[self.bucket(n)].replay()
+
+    def rows(self, key: int, n: int) -> None:
+        self._rows[key][self.bucket(n)].replay()
+
+    @classmethod
+    def build(cls, max_tokens: int, tokens: Callable[[int], None],
+              rows: dict[int, Callable[[int], None]], capture=None) -> "RouteGraphs | None":
+        """The graphs, or None (and a warning) where capture fails: the router then
+        launches the same kernels every step, as without graphs."""
+        from graphtap.ops.route_triton import BLOCK  # Triton only where it routes
+
+        sizes = buckets(max_tokens, BLOCK)
+        try:
+            graphs = cls(sizes, tokens, rows, capture)
+        except RuntimeError as e:
+            logger.warning("graphtap: routing graphs not captured (%s); the routing "
+                           "launches its kernels every step", e)
+            return None
+        logger.info("graphtap: routing captured for %d token buckets up to %d, %d row "
+                    "families", len(sizes), max_tokens, len(rows))
+        return graphs

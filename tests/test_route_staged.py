@@ -1,0 +1,123 @@
+"""The router's staged routing (engine/router.py): with the Triton kernels the step's
+layout, positions and request count are copied into the router's own buffers and the
+launches read only those, so that one CUDA graph per token bucket serves every batch
+(engine/route_graphs.py). Here, on CPU (Triton's interpreter), the staged router, and
+the staged router replaying its bodies at the bucket's size as a graph would, route
+every step of a sequence exactly as the torch router does."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from graphtap.engine.route_graphs import RouteGraphs, buckets
+from graphtap.engine.router import TokenRouter
+from graphtap.engine.tables import allocate
+from graphtap.ops.backend import TORCH
+from graphtap.ops.tables import Label
+from helpers import sizes
+
+SLOTS, TOKENS, HEADS, MAX_LEN = 6, 96, 4, 100
+
+
+def engine(backend, seed: int = 0):
+    """Tables with the same random capture and pattern entries for every backend."""
+    et = allocate(sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_captures=3, num_sites=5,
+                        capture_rows=60, pattern_rows=60, capture_width=4, num_heads=HEADS,
+                        max_len=MAX_LEN), backend, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for t in (et.ops.capture, et.ops.pattern):
+        for slot in range(SLOTS):
+            chosen = torch.randperm(5, generator=g)[:int(torch.randint(1, 4, (1,), generator=g))]
+            t.entry_site[slot, :len(chosen)] = chosen.to(torch.int32)
+            t.entry_pos[slot] = torch.randint(-2**31, 2**31 - 1, t.entry_pos[slot].shape,
+                                              generator=g, dtype=torch.int64).to(torch.int32)
+            if t.entry_heads is not None:
+                t.entry_heads[slot] = torch.randint(0, 2, t.entry_heads[slot].shape,
+                                                    generator=g, dtype=torch.int32)
+    return et
+
+
+def batch(lengths: list[int], slots: list[int], padded: int, seed: int):
+    """A step's batch as the runner hands it over: requests of `lengths` tokens in slots
+    `slots`, padded to `padded` token rows (the padding's positions are garbage)."""
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 200, (padded,), generator=g)
+    return SimpleNamespace(
+        req_ids=[f"s{s}" for s in slots], num_reqs=len(slots), num_tokens=int(qsl[-1]),
+        num_tokens_after_padding=padded, query_start_loc_np=qsl,
+        # vLLM's persistent buffers hold stale values past the batch's requests
+        query_start_loc=torch.cat([torch.from_numpy(qsl), torch.tensor([7, 3], dtype=torch.int32)]),
+        idx_mapping=torch.tensor(slots + [2, 1], dtype=torch.int32), positions=positions)
+
+
+STEPS = [  # (lengths, slots, padded): a new layout, the same layout (its token routing
+    # cached), more requests, padding, then a smaller step after a larger one
+    ([10, 17, 10], [3, 0, 5], 40),
+    ([10, 17, 10], [3, 0, 5], 40),
+    ([30, 1, 20, 25, 14], [1, 2, 3, 4, 5], 96),
+    ([1], [4], 1),
+    ([2, 3], [0, 1], 8),
+]
+
+
+def graphs_on_cpu(body):
+    return SimpleNamespace(replay=body)  # what a CUDA graph of the body does on replay
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["staged", "bucket-replay"])
+def test_staged_routing_routes_every_step_like_the_torch_router(graphs):
+    from graphtap.ops.backend import _triton
+
+    ref_et, tri_et = engine(TORCH), engine(_triton(False))
+    ref, tri = TokenRouter(ref_et.ops), TokenRouter(tri_et.ops)
+    assert tri.staged and not ref.staged
+    if graphs:
+        tri.capture_graphs([tri_et.ops.capture, tri_et.ops.pattern], MAX_LEN,
+                           capture=graphs_on_cpu)
+        assert tri.graphs is not None and tri.graphs.sizes == [TOKENS]
+    routed = 0
+    for i, (lengths, slots, padded) in enumerate(STEPS):
+        b = batch(lengths, slots, padded, seed=i)
+        ref.route(b)
+        tri.route(b)
+        n = padded
+        assert torch.equal(tri.tok_slot[:n], ref.tok_slot[:n]), i
+        assert torch.equal(tri.tok_row[:n], ref.tok_row[:n]), i
+        for family in ("capture", "pattern"):
+            rt, tt = getattr(ref_et.ops, family), getattr(tri_et.ops, family)
+            ref.route_rows(rt, b, MAX_LEN)
+            tri.route_rows(tt, b, MAX_LEN)
+            if rt.dst is not None:
+                assert torch.equal(tt.dst[:, :n], rt.dst[:, :n]), (i, family)
+            assert torch.equal(tt.count, rt.count) and torch.equal(tt.fits, rt.fits), i
+            used = min(int(rt.count[0]), rt.rows)
+            assert torch.equal(tt.labels[:used], rt.labels[:used]), (i, family)
+            assert (tt.labels[used:, Label.SITE] == -1).all()
+            routed += used
+    assert routed > 0
+
+
+def test_idle_then_routing_again():
+    """After an idle step (every row to the sentinel) the same layout routes again."""
+    from graphtap.ops.backend import _triton
+
+    et = engine(_triton(False))
+    router = TokenRouter(et.ops)
+    b = batch([5, 6], [2, 3], 16, seed=0)
+    router.route(b)
+    first = et.ops.tok_slot.clone()
+    router.deactivate()
+    assert (et.ops.tok_slot == SLOTS).all()
+    router.route(b)
+    assert torch.equal(et.ops.tok_slot, first)
+
+
+def test_buckets_cover_every_token_count():
+    assert buckets(8192, 1024) == [1024, 2048, 4096, 8192]
+    assert buckets(2560, 1024) == [1024, 2048, 2560]
+    assert buckets(96, 1024) == [96]
+    g = RouteGraphs([1024, 2048, 2560], lambda n: None, {}, capture=graphs_on_cpu)
+    assert [g.sizes[g.bucket(n)] for n in (1, 1024, 1025, 2049, 2560)] == \
+        [1024, 1024, 2048, 2560, 2560]
