@@ -8,13 +8,13 @@ import time
 from collections import Counter, OrderedDict
 
 import msgspec
-from vllm.logger import init_logger
 
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
 from graphtap.config import HookConfig
 from graphtap.courier import Saver, assemble, open_payload
+from graphtap.log import get_logger
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)
@@ -23,7 +23,7 @@ from graphtap.support import model_heads, refuse_unsupported
 from graphtap.wire import encode
 
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 # normalised specs a frontend remembers (GraphtapFrontend._normalised), and the largest
 # spec it remembers (in msgpack bytes: a 4096-float vector as a JSON list is 37 KB)
 SPEC_CACHE, SPEC_CACHE_BYTES = 256, 64 << 10

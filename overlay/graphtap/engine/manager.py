@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from vllm.logger import init_logger
 from vllm.model_executor.layers.hook_slots import hook_layer_index
 from vllm.v1.worker.gpu.hooks import HookManager, hook_config
 
@@ -30,13 +29,14 @@ from graphtap.engine.heads import head_split
 from graphtap.engine.router import TokenRouter
 from graphtap.engine.rows import RowFamily
 from graphtap.engine.tables import Sizes, allocate
+from graphtap.log import get_logger
 from graphtap.ops.backend import select_backend
 from graphtap.profiling import named
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.sites import PATTERN, RESID_KINDS
 from graphtap.support import model_heads, refuse_unsupported
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 def _sizes(vllm_config, config: HookConfig, sites, patterns: bool,
@@ -255,7 +255,7 @@ class EngineHooks(HookManager):
     def stats(self) -> dict:
         """Per family what it holds now; GET /v1/graphtap/stats shows it per worker."""
         return {**{family.name: family.stats() for family in self.families},
-                "guard": {"requests": len(self._guards)},
+                "guard": {"requests": len(self._guards)}, "routing": self.router.stats(),
                 **({"sink": self.sink.stats()} if self.sink is not None else {}),
                 **_pinned_stats()}
 

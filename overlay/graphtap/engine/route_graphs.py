@@ -21,9 +21,10 @@ import os
 from typing import Callable
 
 import torch
-from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+from graphtap.log import get_logger
+
+logger = get_logger(__name__)
 
 ENV = "GRAPHTAP_ROUTING_GRAPHS"  # "0": launch the routing kernels every step (the A/B)
 

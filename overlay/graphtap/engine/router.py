@@ -23,6 +23,7 @@ class TokenRouter:
         self._last_layout: tuple | None = None
         self._idle = True
         self.graphs: route_graphs.RouteGraphs | None = None
+        self.replays = 0  # graph replays so far (stats: proof the engine used them)
         self.staged = tables.backend.device_counts
         if self.staged:  # the batch's layout at fixed addresses (route_tokens_triton)
             device, slots = tables.tok_slot.device, tables.sentinel + 1
@@ -99,6 +100,7 @@ class TokenRouter:
             self._nreq.fill_(num_reqs)
             if self.graphs is not None:
                 self.graphs.tokens(n)
+                self.replays += 1
             else:
                 self._launch_tokens(n)
         self._last_layout = layout
@@ -109,11 +111,16 @@ class TokenRouter:
         n = input_batch.num_tokens_after_padding
         if self.graphs is not None:
             self.graphs.rows(id(t), n)
+            self.replays += 1
         elif self.staged:
             self._launch_rows(t, n, max_len)
         else:
             self.t.backend.route_rows(t, self.t.tok_slot[:n], self.t.tok_row[:n],
                                       input_batch.positions[:n], max_len)
+
+    def stats(self) -> dict:
+        return {"graph_buckets": len(self.graphs.sizes) if self.graphs is not None else 0,
+                "graph_replays_total": self.replays}
 
     def deactivate(self, force: bool = False) -> None:
         if force or not self._idle:
