@@ -19,8 +19,9 @@ Per (rate, repetition): N requests of IN prompt tokens and OUT output tokens
 (ignore_eos), arrivals Poisson at `rate` req/s, in-process AsyncLLM; a request's TPOT is
 (t_last_token - t_first_token) / (OUT - 1); a run's figure is the median over requests;
 the reported figure is the median of the repetitions. Inside a repetition every mode gets
-the same arrival times and prompts, and the modes' order rotates between repetitions (no
-mode always follows dump), so a mode's overhead vs idle is measured paired: per request,
+the same arrival times and prompts, and the modes' order changes between repetitions
+(workloads.mode_order: every mode follows every other equally often, since session 27;
+before, rotations), so a mode's overhead vs idle is measured paired: per request,
 its TPOT in that mode over its TPOT in idle (`summary_overhead_vs_idle_pct`: median of
 those ratios per repetition, and pooled over repetitions). After the warm-up the process's
 GC heap is frozen, as `vllm serve` does; each run records the collector's pauses.
@@ -46,7 +47,7 @@ import numpy as np
 
 from benchmarks.gpu.tpot_stats import engine_tpot_ms, summarise, ttft_phases
 from benchmarks.gpu.workloads import (ARCHS, count_rows, hook_config, link_probe, mode_hooks,
-                                      model_dir, sink_totals, steer_vector)
+                                      mode_order, model_dir, sink_totals, steer_vector)
 
 REQUESTS_PER_RATE = {1: 12, 4: 24, 8: 32, 16: 48}
 
@@ -216,8 +217,8 @@ async def bench(args) -> dict:
         freeze_gc_heap()
         for rep in range(args.reps):
             for rate, burst in loads(args):
-                # modes alternate (same engine, same moment), their order rotating per rep
-                for mode in rotated(modes + (burst_modes if burst else []), rep):
+                # modes alternate (same engine, same moment), in a balanced order per rep
+                for mode in mode_order(modes + (burst_modes if burst else []), rep):
                     before = sink_totals(getattr(args, "sink_dir", None))
                     r = await run_rate(engine, args, cfg, rate, rep,
                                        mode_hooks(mode, cfg, vec, args.input_len,
@@ -261,13 +262,6 @@ async def sink_run(engine, before: tuple[int, int], wall: float, keep: bool = Fa
 def loads(args) -> list[tuple[float, int]]:
     """(rate, burst) of one repetition: the Poisson rates, then the bursts (burst > 0)."""
     return [(rate, 0) for rate in args.rates] + [(1.0, b) for b in args.bursts]
-
-
-def rotated(modes: list[str], rep: int) -> list[str]:
-    """The modes in repetition rep's order: rotated by one per repetition, so no mode
-    always follows another (dump's after-effects do not land on one mode)."""
-    k = rep % len(modes)
-    return modes[k:] + modes[:k]
 
 
 def write_result(result: dict, out: Path, final: bool = False) -> dict:

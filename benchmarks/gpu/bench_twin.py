@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.gpu.bench_tpot import (engine_args, gpu_name, loads, parser, prepare, rotated,
-                        run_rate, vllm_version, write_result)
-from benchmarks.gpu.workloads import mode_hooks, model_dir, steer_vector
+from benchmarks.gpu.bench_tpot import (engine_args, gpu_name, loads, parser, prepare, run_rate,
+                                       vllm_version, write_result)
+from benchmarks.gpu.workloads import mode_hooks, mode_order, model_dir, steer_vector
 
 
 async def bench(args) -> dict:
@@ -57,7 +57,7 @@ async def bench(args) -> dict:
         freeze_gc_heap()  # as bench_tpot.py (and `vllm serve`) after the warm-up
         for rep in range(args.reps):
             for rate, burst in loads(args):
-                for mode in rotated(modes + (burst_modes if burst else []), rep):
+                for mode in mode_order(modes + (burst_modes if burst else []), rep):
                     a, b = engines if rep % 2 == 0 else engines[::-1]  # who runs the mode
                     # one t0: both runs' requests arrive at the same moments; whose request
                     # is submitted first at a moment flips every two repetitions, apart

@@ -176,3 +176,25 @@ def steer_vector(cfg: dict) -> np.ndarray:
     as graphtap.client sends it: a JSON float list would add ~0.3 ms of admission)."""
     vec = np.random.default_rng(7).normal(size=cfg["hidden_size"]).astype(np.float32)
     return vec / np.linalg.norm(vec) * np.float32(4.0)
+
+
+def mode_order(modes: list[str], rep: int) -> list[str]:
+    """The modes in repetition rep's order: row rep of a Williams design (a Latin square
+    balanced for the mode before): over len(modes) repetitions (twice that for an odd
+    count) every mode runs right after every other mode equally often. A burst runs
+    differently after some modes than after others (the A/A control, idle2, always ran
+    right after idle when the orders were rotations: +2.0 to +3.4 ms at 64 at once in
+    sessions 25 and 27), and a mode that always follows the same one pays that one's
+    after-effects in every paired figure."""
+    n = len(modes)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = rep % (n if n % 2 == 0 else 2 * n)
+    order = [modes[(i + row) % n] for i in first]
+    return order[::-1] if row >= n else order
+
