@@ -1,14 +1,14 @@
 """The per-step routing's launches, captured once per token bucket as CUDA graphs.
 
 A capturing step routes before the forward, on the engine core's host: one token
-launch and, per row family, two fills and four kernels (ops/route_triton.py). On the
-H200's host those launches held the engine core 0.15-0.25 ms a capturing step
-(benchmarks/gpu/route_launch.py), and in a burst's first, host-bound steps that time
-reaches every request's first token. The kernels read only fixed-address tables (the
-router stages the batch's layout and positions into its own buffers, and the request
-count into a device scalar), and their grids depend on the token count alone, so one
-captured graph per token bucket serves every batch of up to that many tokens: a step
-replays one graph per routing instead of launching its kernels.
+launch and, per row family, two fills and four kernels (ops/route_triton.py), each
+launched from Python; where steps are host-bound (small models, decode steps that
+capture) that host time is the step's (benchmarks/gpu/route_launch.py measures it). The
+kernels read only fixed-address tables (the router stages the batch's layout and
+positions into its own buffers, and the request count into a device scalar), and their
+grids depend on the token count alone, so one captured graph per token bucket serves
+every batch of up to that many tokens: a step replays one graph per routing instead of
+launching its kernels.
 
 Rows past the step's tokens up to the bucket are routed too: the token kernel maps them
 to the sentinel slot (past the last request's tokens), which wants nothing, so they get
