@@ -113,7 +113,14 @@ def entry(layer, heads=tuple(range(HQ)), positions="all", dtype="float32"):
 
 
 def router(slots, rows):
-    return SimpleNamespace(tok_slot=slots, tok_row=rows)
+    """The token router's part the family uses: its map, and the row routing from it
+    (the torch reference, as on CPU)."""
+    from graphtap.ops.route import route_rows_reference
+
+    def route_rows(t, batch, max_len):
+        n = batch.num_tokens_after_padding
+        route_rows_reference(t, slots[:n], rows[:n], batch.positions[:n], max_len)
+    return SimpleNamespace(tok_slot=slots, tok_row=rows, route_rows=route_rows)
 
 
 def test_routing_labels_every_row_and_snapshot_splits_per_request():
