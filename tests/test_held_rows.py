@@ -104,8 +104,8 @@ def test_the_frontend_withholds_rows_that_stop_short():
     done = assemble([{**rows, HELD: torch.tensor([6])}], held_through=6)
     assert done.error is None and done.positions[NAME].tolist() == [4, 5]
     short = assemble([{**rows, HELD: torch.tensor([6])}], held_through=8)
-    assert short.error.startswith("hooks.probe:") and "through position 5 of 7" in short.error
-    assert assemble([], held_through=3).error.startswith("hooks.probe:")
+    assert short.error.startswith("hooks:") and "through position 5 of 7" in short.error
+    assert assemble([], held_through=3).error.startswith("hooks:")
 
 
 def test_a_chunk_without_rows_serialises_through_vllm():

@@ -74,3 +74,45 @@ def test_encode_beside_a_busy_thread(benchmark, sealed):
         stop.set()
         loop.join()
     assert len(frames) == (1 if sealed else 65)  # a frame per rows tensor, then the message
+
+
+@pytest.mark.parametrize("at", ["prefill", "finish"])
+def test_held_step(benchmark, at):
+    """hold_outputs_bytes (courier/held_chunks.py), 64 qk requests: the worker's hold of
+    their prefill step's chunks (kept: nothing sealed), and the step that finishes them
+    all (their held chunks and HELD sealed together), per step."""
+    import numpy as np
+
+    from graphtap.courier.held import Ending, StepBatch
+    from graphtap.courier.held_chunks import HeldChunks
+
+    chunks = step_snapshot(64, LOADS["qk"][1], LOADS["qk"][0]).per_request()
+    reqs = list(chunks)
+    batch = StepBatch(reqs, np.full(len(reqs), 256))
+    ending = Ending(frozenset(), cap=264, every_step=False)
+
+    class Step:
+        req_ids, sampled_token_ids = reqs, [[5]] * len(reqs)
+
+    def held() -> HeldChunks:
+        h = HeldChunks(1 << 40)
+        for r in reqs:
+            h.add_request(r, ending)
+        return h
+
+    if at == "prefill":
+        benchmark.pedantic(lambda h: h.step(chunks, batch, Step),
+                           setup=lambda: ((held(),), {}), rounds=50)
+        return
+    done = StepBatch(reqs, np.full(len(reqs), 263))
+
+    def finishing():
+        h = held()
+        h.step(chunks, batch, Step)
+        return (h,), {}
+
+    def finish(h):
+        return {r: seal(*sent) for r, sent in h.step({}, done, Step).items()}
+
+    out = benchmark.pedantic(finish, setup=finishing, rounds=50)
+    assert len(out) == 64 and all(p.frames for p in out.values())

@@ -78,6 +78,8 @@ def engine_args(args, path: str, cfg: dict, memory: float | None = None):
                              args.sink_layers)
         if args.sink_queue_gb and "sink_dir" in config:  # host memory the sink may fill
             config["sink_max_queued_bytes"] = int(args.sink_queue_gb * 2**30)
+        if args.hold_outputs_mb:  # captures go home at a step that may finish them
+            config["hold_outputs_bytes"] = int(args.hold_outputs_mb * 2**20)
         args.sink_dir = config.get("sink_dir")
         kw.update(hook_manager="graphtap", hook_config=config,
                   worker_extension_cls=WORKER_EXTENSION)
@@ -350,6 +352,10 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
     ap.add_argument("--sink-queue-gb", type=float, default=0,
                     help="the sink's bound on queued rows (default: the engine's 256 MiB); "
                          "larger: the engine runs ahead of the disk into host memory")
+    ap.add_argument("--hold-outputs-mb", type=float, default=0,
+                    help="hook_config.hold_outputs_bytes in MiB: capturing requests' step "
+                         "outputs held on the worker until a step that may finish them "
+                         "(default: off, every step's travel with its tokens)")
     ap.add_argument("--prefill-graphs", type=int, default=0, metavar="TOKENS",
                     help="steps of TOKENS tokens with CUDA graphs up to that size "
                          "(graph_sizes.py; default: vLLM's sizes, none above 128 tokens "

@@ -69,6 +69,16 @@ class HookConfig(BaseModel):
     the memory vLLM profiles; a step that would need more fails the captures of the
     requests in its batch that capture, with an error, instead of dropping rows."""
 
+    hold_outputs_bytes: int = Field(0, ge=0)
+    """Hold a capturing request's step outputs on the worker until a step that may
+    finish it, at most this many bytes per worker (the host buffers held chunks keep
+    alive, a step's copy counted by every request holding part of it; past it they go
+    home at once); 0:
+    every step's outputs travel with that step's tokens (courier/held_chunks.py). Held,
+    a prompt's rows no longer travel with its first token; the frontend returns them at
+    the finish either way. Requests with stop strings or repetition detection (any step
+    may finish them) are never held."""
+
     pattern_rows: int = Field(256, ge=1)
     """Rows of the device attention-pattern buffer, per step (each row: one query position
     of one head, max_model_len floats). Allocated only when a hook_pattern site is

@@ -13,7 +13,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
 from graphtap.config import HookConfig
-from graphtap.courier import Saver, assemble, open_payload
+from graphtap.courier import Saver, assemble, holds_outputs, open_chunks
 from graphtap.log import get_logger
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
@@ -68,8 +68,10 @@ class GraphtapFrontend(HookFrontend):
         self._lock = threading.Lock()
         self._live: dict[str, set[str]] = {}
         self._refs: Counter[str] = Counter()
-        # what finish_outputs needs per request: (spec, prompt length)
-        self._finish: dict[str, tuple[NormalisedSpec, int]] = {}
+        # what finish_outputs needs per request: (spec, prompt length, whether the worker
+        # holds its chunks until a step that may finish it: courier/held_chunks.py)
+        self._finish: dict[str, tuple[NormalisedSpec, int, bool]] = {}
+        self.hold_bytes = 0  # the engine's hook_config.hold_outputs_bytes
         self._bytes: dict[str, int] = {}  # live requests' capture byte estimates
         self.api_servers = 1  # API server processes, each with a frontend of its own
         # spec text -> its normalised spec (see _normalised), least recently used first
@@ -88,6 +90,7 @@ class GraphtapFrontend(HookFrontend):
                 raise ValueError(f"hook_config.vectors_dir: {e}") from None
         frontend = cls(shape, vectors)
         frontend.api_servers = vllm_config.parallel_config._api_process_count
+        frontend.hold_bytes = config.hold_outputs_bytes
         return frontend
 
     def process_request(self, request_id, params, cache_salt, prompt_len=0):
@@ -189,7 +192,9 @@ class GraphtapFrontend(HookFrontend):
                 self._bytes[request.request_id] = spec.capture_bytes
             if spec.captures_anything:
                 prompt = getattr(request, "prompt_token_ids", None)
-                self._finish[request.request_id] = (spec, len(prompt) if prompt else 0)
+                self._finish[request.request_id] = (
+                    spec, len(prompt) if prompt else 0,
+                    holds_outputs(spec, params, self.hold_bytes))
 
     def stats(self) -> dict:
         """What this frontend holds now (leak checks: zeros once every request ended)."""
@@ -215,13 +220,15 @@ class GraphtapFrontend(HookFrontend):
         # Runs in AsyncLLM's output handler, where an exception stops the API server:
         # whatever goes wrong fails this request's hooks only, with the reason.
         with self._lock:
-            spec, prompt_len = self._finish.pop(request_id, (None, 0))
+            spec, prompt_len, chunks_held = self._finish.pop(request_id, (None, 0, False))
         if spec is None and not chunks:
             return None  # a request without captures (vLLM asks for every request)
         try:
-            # probes hold their rows on the worker until the request may finish
-            held = num_tokens - 1 if spec is not None and spec.probe else None
-            out = assemble([open_payload(c) for c in chunks],
+            # probes hold their rows, and an engine may hold every chunk, on the worker
+            # until the request may finish: the last send must cover its length
+            held = num_tokens - 1 if spec is not None and (spec.probe or chunks_held) \
+                else None
+            out = assemble([c for p in chunks for c in open_chunks(p)],
                            spec.guard if spec is not None else None, prompt_len, held)
         except Exception as e:
             logger.exception("graphtap: assembling request %s's hook outputs", request_id)

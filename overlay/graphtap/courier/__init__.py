@@ -3,12 +3,13 @@ stream, are split per request once there, and become a finished request's
 `RequestOutput.hooks` in the frontend (overflow as a typed error, `save_to` files)."""
 from graphtap.courier.assemble import assemble
 from graphtap.courier.chunks import Overflow, OverflowKind, RequestErrors
+from graphtap.courier.held_chunks import holds_outputs
 from graphtap.courier.patterns import PatternFormat, PatternStep
-from graphtap.courier.payload import open_payload, seal
+from graphtap.courier.payload import open_chunks, open_payload, seal
 from graphtap.courier.rows import CaptureStep, RowFormat, columns
 from graphtap.courier.save import Saver
 from graphtap.courier.snapshot import LabelledStep, StepRows, StepSnapshots
 
 __all__ = ["CaptureStep", "LabelledStep", "Overflow", "OverflowKind", "PatternFormat",
            "PatternStep", "RequestErrors", "RowFormat", "Saver", "StepRows", "StepSnapshots", "assemble",
-           "columns", "open_payload", "seal"]
+           "columns", "holds_outputs", "open_chunks", "open_payload", "seal"]

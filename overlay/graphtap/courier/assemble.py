@@ -38,10 +38,10 @@ def assemble(chunks: list[dict[str, torch.Tensor]], guard=None, prompt_len: int 
         came = int(merged[HELD].max()) if HELD in merged else 0
         if came < held_through:
             return HookOutputs(error=(
-                f"hooks.probe: the request ended at a step the worker did not see coming "
-                f"(an abort, or a finish decided outside vLLM's stop checks): its probe "
-                f"rows came home through position {came - 1} of {held_through - 1}, and "
-                f"its outputs were withheld rather than returned incomplete"))
+                f"hooks: the request ended at a step the worker did not see coming (an "
+                f"abort, or a finish decided outside vLLM's stop checks): its rows held on "
+                f"the worker came home through position {came - 1} of {held_through - 1}, "
+                f"and its outputs were withheld rather than returned incomplete"))
     out = HookOutputs()
     for key in merged:
         if (name := ragged_name(key)) is not None:

@@ -45,19 +45,29 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(dict[str, Inline])
 
 
-def seal(chunk: dict[str, torch.Tensor]) -> HookPayload:
-    """A request's chunk of one step as it travels; FINISH (a guard's stop) becomes the
-    payload's `finish`, on which vLLM's scheduler finishes the request."""
+# Several steps' chunks of a request in one payload (held_chunks.py): each key prefixed
+# with its chunk's index and this separator, which no output name contains.
+SEP = "\x1f"
+
+
+def seal(*chunks: dict[str, torch.Tensor]) -> HookPayload:
+    """A request's chunk of one step, or its held chunks of several, as they travel;
+    FINISH (a guard's stop) becomes the payload's `finish`, on which vLLM's scheduler
+    finishes the request."""
     inline: dict[str, Inline] = {}
     frames: dict[str, torch.Tensor] = {}
-    for key, t in chunk.items():
+    items = chunks[0].items() if len(chunks) == 1 else \
+        ((f"{i}{SEP}{key}", t) for i, chunk in enumerate(chunks) for key, t in chunk.items()
+         if key != FINISH)
+    finish = any(FINISH in chunk for chunk in chunks)
+    for key, t in items:
         if key == FINISH:
             continue
         if t.nbytes >= INLINE_BYTES:
             frames[key] = t
         else:
             inline[key] = Inline(_NAMES[t.dtype], tuple(t.shape), _raw(t))
-    return HookPayload(_ENCODER.encode(inline) if inline else b"", frames, FINISH in chunk)
+    return HookPayload(_ENCODER.encode(inline) if inline else b"", frames, finish)
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -67,9 +77,26 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy() if flat.numel() else b"")
 
 
+def open_chunks(payload: HookPayload) -> list[dict[str, torch.Tensor]]:
+    """The chunks a payload was sealed from, in order."""
+    chunk = open_payload(payload)
+    if not any(SEP in key for key in chunk):
+        return [chunk]
+    chunks: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in chunk.items():
+        if key == FINISH:  # the payload's, not a chunk's: the last one carries it
+            continue
+        i, name = key.split(SEP, 1)
+        chunks.setdefault(int(i), {})[name] = t
+    out = [chunks[i] for i in sorted(chunks)]
+    if FINISH in chunk:
+        out[-1][FINISH] = chunk[FINISH]
+    return out
+
+
 def open_payload(payload: HookPayload) -> dict[str, torch.Tensor]:
-    """The chunk a payload was sealed from: inline values first (tensors over their own
-    decoded bytes), then the frames."""
+    """A payload's values by key (of a single chunk: the chunk it was sealed from):
+    inline values first (tensors over their own decoded bytes), then the frames."""
     out: dict[str, torch.Tensor] = {}
     if payload.inline:
         for key, v in _DECODER.decode(payload.inline).items():

@@ -29,10 +29,11 @@ class StepSnapshots:
     """The snapshots of one step (rows, patterns), handed to vLLM's courier as one."""
 
     def __init__(self, parts: list["LabelledStep"], guards: dict | None = None,
-                 batch=None):
+                 batch=None, hold=None):
         self.parts = parts
         self.guards = guards or {}  # req_id -> (GuardEntry, prompt_len) of the batch
-        self.batch = batch  # courier.held.StepBatch, where a part is held
+        self.batch = batch  # courier.held.StepBatch, where a part or a chunk is held
+        self.hold = hold  # courier.held_chunks.HeldChunks, where the engine holds chunks
 
     def release_device(self) -> None:  # nested in another: its parts release in per_request
         pass
@@ -47,8 +48,12 @@ class StepSnapshots:
         """What each request of the step gets (vLLM's HookStepOutput): its chunk sealed
         as it travels (payload.py)."""
         chunks = self.chunks(step)
+        if self.hold is None:
+            with named("graphtap.seal"):
+                return {req: seal(chunk) for req, chunk in chunks.items()}
+        going = self.hold.step(chunks, self.batch, step)
         with named("graphtap.seal"):
-            return {req: seal(chunk) for req, chunk in chunks.items()}
+            return {req: seal(*sent) for req, sent in going.items()}
 
     def chunks(self, step=None) -> dict[str, dict[str, torch.Tensor]]:
         """Each request's outputs of the step, name -> tensor. `step`: the step's

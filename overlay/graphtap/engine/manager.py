@@ -17,6 +17,7 @@ import graphtap.ops  # noqa: F401  registers the graph ops before any trace
 from graphtap.config import HookConfig, load_hook_config
 from graphtap.courier import StepSnapshots
 from graphtap.courier.held import Ending, StepBatch
+from graphtap.courier.held_chunks import HeldChunks, holds_outputs
 from graphtap.courier.sink import SinkFailed, SinkWriter
 from graphtap.courier.staging import Staging
 from graphtap.engine.families.capture import CaptureFamily
@@ -156,6 +157,8 @@ class EngineHooks(HookManager):
         self.router.capture_graphs([f.t for f in self.families if isinstance(f, RowFamily)],
                                    mc.max_model_len)
         self._guards: dict[str, tuple] = {}  # req_id -> (GuardEntry, prompt_len)
+        self.hold = HeldChunks(self.config.hold_outputs_bytes) \
+            if self.config.hold_outputs_bytes > 0 else None
         logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB",
                     len(self.sites), [f.name for f in self.families], backend.name,
                     tables.ops.nbytes() / 2**20)
@@ -202,12 +205,19 @@ class EngineHooks(HookManager):
             self.probe_family.hold(new_req_data.req_id, Ending.of(
                 params, new_req_data.prompt_len, self.max_len))
         self._guards.pop(new_req_data.req_id, None)
+        if self.hold is not None:
+            self.hold.remove_request(new_req_data.req_id)
+            if holds_outputs(spec, params, self.hold.max_bytes):
+                self.hold.add_request(new_req_data.req_id, Ending.of(
+                    params, new_req_data.prompt_len, self.max_len))
         if spec.guard is not None:  # evaluated by the courier as the step's rows arrive
             self._guards[new_req_data.req_id] = (spec.guard, new_req_data.prompt_len)
         self.router.invalidate()  # the slot's meaning changed
 
     def remove_request(self, req_id) -> None:
         self._guards.pop(req_id, None)
+        if self.hold is not None:  # unfinished (preempted, aborted): its chunks go
+            self.hold.remove_request(req_id)
         for family in self.families:
             family.remove_request(req_id)
 
@@ -256,6 +266,7 @@ class EngineHooks(HookManager):
         """Per family what it holds now; GET /v1/graphtap/stats shows it per worker."""
         return {**{family.name: family.stats() for family in self.families},
                 "guard": {"requests": len(self._guards)}, "routing": self.router.stats(),
+                **({"hold": self.hold.stats()} if self.hold is not None else {}),
                 **({"sink": self.sink.stats()} if self.sink is not None else {}),
                 **_pinned_stats()}
 
@@ -268,9 +279,13 @@ class EngineHooks(HookManager):
                 part = family.snapshot()
                 if part is not None:  # a family's own set (rows and refusals) flattened
                     parts.extend(part.parts if isinstance(part, StepSnapshots) else [part])
-            if not parts:
+            # a step without rows may still be the one that finishes a held request
+            hold = self.hold if self.hold is not None and \
+                self.hold.any_in(input_batch.req_ids) else None
+            if not parts and hold is None:
                 return None
             guards = {r: self._guards[r] for r in input_batch.req_ids if r in self._guards} \
                 if self._guards else None
-            held = any(getattr(p, "held", None) is not None for p in parts)
-            return StepSnapshots(parts, guards, StepBatch.of(input_batch) if held else None)
+            held = hold is not None or any(getattr(p, "held", None) is not None for p in parts)
+            return StepSnapshots(parts, guards, StepBatch.of(input_batch) if held else None,
+                                 hold)
