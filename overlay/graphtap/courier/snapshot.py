@@ -48,10 +48,9 @@ class StepSnapshots:
         """What each request of the step gets (vLLM's HookStepOutput): its chunk sealed
         as it travels (payload.py)."""
         chunks = self.chunks(step)
-        if self.hold is None:
-            with named("graphtap.seal"):
-                return {req: seal(chunk) for req, chunk in chunks.items()}
-        going = self.hold.step(chunks, self.batch, step)
+        # held chunks (held_chunks.py) go when their request may finish, several at once
+        going = {req: (chunk,) for req, chunk in chunks.items()} if self.hold is None else \
+            self.hold.step(chunks, self.batch, step)
         with named("graphtap.seal"):
             return {req: seal(*sent) for req, sent in going.items()}
 

@@ -201,15 +201,16 @@ class EngineHooks(HookManager):
         spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
         for family in self.families:
             family.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, spec)
-        if self.probes and params is not None:
-            self.probe_family.hold(new_req_data.req_id, Ending.of(
-                params, new_req_data.prompt_len, self.max_len))
+        # what may finish it, where its rows or chunks are held until then
+        ending = Ending.of(params, new_req_data.prompt_len, self.max_len) \
+            if params is not None and (self.probes or self.hold is not None) else None
+        if self.probes and ending is not None:
+            self.probe_family.hold(new_req_data.req_id, ending)
         self._guards.pop(new_req_data.req_id, None)
         if self.hold is not None:
             self.hold.remove_request(new_req_data.req_id)
             if holds_outputs(spec, params, self.hold.max_bytes):
-                self.hold.add_request(new_req_data.req_id, Ending.of(
-                    params, new_req_data.prompt_len, self.max_len))
+                self.hold.add_request(new_req_data.req_id, ending)
         if spec.guard is not None:  # evaluated by the courier as the step's rows arrive
             self._guards[new_req_data.req_id] = (spec.guard, new_req_data.prompt_len)
         self.router.invalidate()  # the slot's meaning changed
