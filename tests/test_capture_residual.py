@@ -243,3 +243,9 @@ def test_probe_rows_come_home_however_the_request_ends(engine, llama_path):
     # full, and when a request may finish; the length case alone reads twice); the stop
     # string's request routed rows instead (it may finish at every step)
     assert stats["probe"]["ring_steps_total"] > 0 and stats["probe"]["ring_reads_total"] >= 2
+    # the hook manager's host time per phase of the steps (profiling.HostClock)
+    host = stats["host"]
+    assert host["add_request_calls_total"] >= len(outs)
+    for phase in ("prepare_step", "collect", "to_cpu", "per_request", "apply_staged_writes"):
+        assert host[f"{phase}_calls_total"] > 0, phase
+        assert host[f"{phase}_cpu_ms_total"] <= host[f"{phase}_wall_ms_total"] + 1.0, phase

@@ -1,10 +1,24 @@
-"""Named host ranges for torch.profiler (benchmarks/gpu/profile_capture.py reads them),
+"""Where the hook manager's host time goes.
+
+Named host ranges for torch.profiler (benchmarks/gpu/profile_capture.py reads them),
 at no cost when no profiler runs: torch.profiler.record_function costs a few
 microseconds even then, and the hook manager opens several per step, on the critical
-path of every request of the engine (benchmarks/cpu: test_named_range_off)."""
+path of every request of the engine (benchmarks/cpu: test_named_range_off).
+
+HostClock: per phase of a step, on the thread that runs it (the engine core's busy loop
+at TP=1), wall time, the thread's own CPU time, and the calls that took 1 ms or more,
+always on. Wall above CPU is time the thread waited: for the GIL, which every torch
+call releases and another thread of the process (the engine core's input thread
+decoding a burst's requests) may then hold for up to its switch interval; or for the
+device. GET /v1/graphtap/stats shows the counters (`host.<phase>_*_total`), and
+benchmarks/gpu/bench_tpot.py records them per run. One clock per engine (EngineHooks
+owns it, its StepSnapshots borrow it), never a module global, which two engines of one
+process would share."""
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import defaultdict
 
 import torch
 
@@ -16,3 +30,56 @@ def named(name: str):
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return _OFF
+
+
+SLOW_NS = 1_000_000  # a call this long is counted apart: one stall shows up in the totals
+
+
+class _Phase:
+    """`with clock.phase("x"):` adds one call. Not reentrant: one phase runs at a time
+    on the engine's thread, and a nested phase of the same name would count twice."""
+
+    __slots__ = ("_clock", "_name", "_wall", "_cpu")
+
+    def __init__(self, clock: "HostClock", name: str):
+        self._clock, self._name = clock, name
+
+    def __enter__(self) -> None:
+        self._wall, self._cpu = time.perf_counter_ns(), time.thread_time_ns()
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter_ns() - self._wall
+        self._clock.add(self._name, wall, time.thread_time_ns() - self._cpu)
+
+
+class HostClock:
+    """One engine's host time per phase (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._phases: dict[str, _Phase] = {}
+        self._wall: defaultdict[str, int] = defaultdict(int)
+        self._cpu: defaultdict[str, int] = defaultdict(int)
+        self._calls: defaultdict[str, int] = defaultdict(int)
+        self._slow: defaultdict[str, int] = defaultdict(int)
+
+    def phase(self, name: str) -> _Phase:
+        p = self._phases.get(name)
+        if p is None:
+            p = self._phases[name] = _Phase(self, name)
+        return p
+
+    def add(self, name: str, wall_ns: int, cpu_ns: int) -> None:
+        self._wall[name] += wall_ns
+        self._cpu[name] += cpu_ns
+        self._calls[name] += 1
+        if wall_ns >= SLOW_NS:
+            self._slow[name] += 1
+
+    def stats(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for name in sorted(self._calls):
+            out[f"{name}_calls_total"] = self._calls[name]
+            out[f"{name}_wall_ms_total"] = round(self._wall[name] / 1e6, 3)
+            out[f"{name}_cpu_ms_total"] = round(self._cpu[name] / 1e6, 3)
+            out[f"{name}_over_1ms_total"] = self._slow[name]
+        return out

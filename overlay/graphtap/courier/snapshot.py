@@ -20,7 +20,7 @@ from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
 from graphtap.courier.pack import run_starts
 from graphtap.courier.payload import seal
 from graphtap.ops.tables import Label
-from graphtap.profiling import named
+from graphtap.profiling import HostClock, named
 
 SLOT_COLUMN = int(Label.SLOT)
 
@@ -29,24 +29,29 @@ class StepSnapshots:
     """The snapshots of one step (rows, patterns), handed to vLLM's courier as one."""
 
     def __init__(self, parts: list["LabelledStep"], guards: dict | None = None,
-                 batch=None, hold=None):
+                 batch=None, hold=None, clock=None):
         self.parts = parts
         self.guards = guards or {}  # req_id -> (GuardEntry, prompt_len) of the batch
         self.batch = batch  # courier.held.StepBatch, where a part or a chunk is held
         self.hold = hold  # courier.held_chunks.HeldChunks, where the engine holds chunks
+        self.clock = clock if clock is not None else HostClock()  # the engine's (profiling.py)
 
     def release_device(self) -> None:  # nested in another: its parts release in per_request
         pass
 
     # Named ranges: profile_capture.py reads where the courier's host time goes.
     def to_cpu_nonblocking(self) -> None:
-        with named("graphtap.to_cpu"):
+        with named("graphtap.to_cpu"), self.clock.phase("to_cpu"):
             for part in self.parts:
                 part.to_cpu_nonblocking()
 
     def per_request(self, step=None) -> dict[str, HookPayload]:
         """What each request of the step gets (vLLM's HookStepOutput): its chunk sealed
         as it travels (payload.py)."""
+        with self.clock.phase("per_request"):
+            return self._per_request(step)
+
+    def _per_request(self, step) -> dict[str, HookPayload]:
         chunks = self.chunks(step)
         # held chunks (held_chunks.py) go when their request may finish, several at once
         going = {req: (chunk,) for req, chunk in chunks.items()} if self.hold is None else \

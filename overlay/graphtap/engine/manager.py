@@ -32,7 +32,7 @@ from graphtap.engine.rows import RowFamily
 from graphtap.engine.tables import Sizes, allocate
 from graphtap.log import get_logger
 from graphtap.ops.backend import select_backend
-from graphtap.profiling import named
+from graphtap.profiling import HostClock, named
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.sites import PATTERN, RESID_KINDS
 from graphtap.support import model_heads, refuse_unsupported
@@ -157,6 +157,7 @@ class EngineHooks(HookManager):
         self.router.capture_graphs([f.t for f in self.families if isinstance(f, RowFamily)],
                                    mc.max_model_len)
         self._guards: dict[str, tuple] = {}  # req_id -> (GuardEntry, prompt_len)
+        self.clock = HostClock()  # this engine's host time per phase (stats: "host")
         self.hold = HeldChunks(self.config.hold_outputs_bytes) \
             if self.config.hold_outputs_bytes > 0 else None
         logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB",
@@ -197,35 +198,38 @@ class EngineHooks(HookManager):
 
     # ---------------------------------------------------------------- requests
     def add_request(self, req_index, new_req_data) -> None:
-        params = new_req_data.sampling_params
-        spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
-        for family in self.families:
-            family.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, spec)
-        # what may finish it, where its rows or chunks are held until then
-        ending = Ending.of(params, new_req_data.prompt_len, self.max_len) \
-            if params is not None and (self.probes or self.hold is not None) else None
-        if self.probes and ending is not None:
-            self.probe_family.hold(new_req_data.req_id, ending)
-        self._guards.pop(new_req_data.req_id, None)
-        if self.hold is not None:
-            self.hold.remove_request(new_req_data.req_id)
-            if holds_outputs(spec, params, self.hold.max_bytes):
-                self.hold.add_request(new_req_data.req_id, ending)
-        if spec.guard is not None:  # evaluated by the courier as the step's rows arrive
-            self._guards[new_req_data.req_id] = (spec.guard, new_req_data.prompt_len)
-        self.router.invalidate()  # the slot's meaning changed
+        with self.clock.phase("add_request"):
+            params = new_req_data.sampling_params
+            spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
+            for family in self.families:
+                family.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, spec)
+            # what may finish it, where its rows or chunks are held until then
+            ending = Ending.of(params, new_req_data.prompt_len, self.max_len) \
+                if params is not None and (self.probes or self.hold is not None) else None
+            if self.probes and ending is not None:
+                self.probe_family.hold(new_req_data.req_id, ending)
+            self._guards.pop(new_req_data.req_id, None)
+            if self.hold is not None:
+                self.hold.remove_request(new_req_data.req_id)
+                if holds_outputs(spec, params, self.hold.max_bytes):
+                    self.hold.add_request(new_req_data.req_id, ending)
+            if spec.guard is not None:  # evaluated by the courier as the step's rows arrive
+                self._guards[new_req_data.req_id] = (spec.guard, new_req_data.prompt_len)
+            self.router.invalidate()  # the slot's meaning changed
 
     def remove_request(self, req_id) -> None:
-        self._guards.pop(req_id, None)
-        if self.hold is not None:  # unfinished (preempted, aborted): its chunks go
-            self.hold.remove_request(req_id)
-        for family in self.families:
-            family.remove_request(req_id)
+        with self.clock.phase("remove_request"):
+            self._guards.pop(req_id, None)
+            if self.hold is not None:  # unfinished (preempted, aborted): its chunks go
+                self.hold.remove_request(req_id)
+            for family in self.families:
+                family.remove_request(req_id)
 
     def apply_staged_writes(self) -> None:
-        self.slots.apply()
-        for family in self.families:
-            family.apply_staged_writes()
+        with self.clock.phase("apply_staged_writes"):
+            self.slots.apply()
+            for family in self.families:
+                family.apply_staged_writes()
 
     def bind_kv_caches(self, layers) -> None:
         for family in self.families:
@@ -233,7 +237,7 @@ class EngineHooks(HookManager):
 
     # ---------------------------------------------------------------- steps
     def prepare_step(self, input_batch, dummy_run) -> None:
-        with named("graphtap.prepare_step"):
+        with named("graphtap.prepare_step"), self.clock.phase("prepare_step"):
             plans = [None] * len(self.families) if dummy_run else \
                 [family.plan(input_batch) for family in self.families]
             if any(plans):
@@ -267,6 +271,7 @@ class EngineHooks(HookManager):
         """Per family what it holds now; GET /v1/graphtap/stats shows it per worker."""
         return {**{family.name: family.stats() for family in self.families},
                 "guard": {"requests": len(self._guards)}, "routing": self.router.stats(),
+                "host": self.clock.stats(),
                 **({"hold": self.hold.stats()} if self.hold is not None else {}),
                 **({"sink": self.sink.stats()} if self.sink is not None else {}),
                 **_pinned_stats()}
@@ -274,7 +279,7 @@ class EngineHooks(HookManager):
     def collect(self, input_batch, dummy_run):
         if dummy_run:
             return None
-        with named("graphtap.collect"):  # profile_capture.py
+        with named("graphtap.collect"), self.clock.phase("collect"):  # profile_capture.py
             parts = []
             for family in self.families:
                 part = family.snapshot()
@@ -289,4 +294,4 @@ class EngineHooks(HookManager):
                 if self._guards else None
             held = hold is not None or any(getattr(p, "held", None) is not None for p in parts)
             return StepSnapshots(parts, guards, StepBatch.of(input_batch) if held else None,
-                                 hold)
+                                 hold, self.clock)

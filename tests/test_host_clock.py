@@ -1,0 +1,38 @@
+"""HostClock (graphtap/profiling.py): the hook manager's host time per phase, wall and
+the thread's own CPU time, kept per engine."""
+import time
+
+from graphtap.profiling import HostClock
+
+
+def test_phases_count_calls_wall_cpu_and_slow_calls():
+    clock = HostClock()
+    for _ in range(3):
+        with clock.phase("prepare_step"):
+            sum(range(1000))
+    with clock.phase("per_request"):
+        time.sleep(0.005)  # waiting: wall time the thread did not spend on CPU
+    s = clock.stats()
+    assert s["prepare_step_calls_total"] == 3 and s["per_request_calls_total"] == 1
+    assert s["prepare_step_over_1ms_total"] == 0 and s["per_request_over_1ms_total"] == 1
+    assert s["per_request_wall_ms_total"] >= 5.0
+    assert s["per_request_cpu_ms_total"] < s["per_request_wall_ms_total"] - 3.0
+    assert 0 < s["prepare_step_cpu_ms_total"] <= s["prepare_step_wall_ms_total"] + 0.5
+    assert all(k.endswith("_total") for k in s)  # bench_tpot records *_total keys per run
+
+
+def test_a_phase_that_raises_is_still_counted_and_the_error_goes_on():
+    clock = HostClock()
+    try:
+        with clock.phase("add_request"):
+            raise ValueError("bad spec")
+    except ValueError:
+        pass
+    assert clock.stats()["add_request_calls_total"] == 1
+
+
+def test_two_engines_keep_their_own_counts():
+    a, b = HostClock(), HostClock()
+    with a.phase("collect"):
+        pass
+    assert a.stats()["collect_calls_total"] == 1 and b.stats() == {}
