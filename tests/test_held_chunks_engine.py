@@ -1,8 +1,9 @@
 """An engine that holds capturing requests' step outputs on the worker until a step that
 may finish them (hook_config hold_outputs_bytes; tiny Llama, eager, one engine): every
 request's rows still equal HF's, through chunked prefill, a request finishing at its
-first token, a request with a stop string (never held), and a long capture past the
-held bytes' bound (sent early, the rest at its finish); nothing stays held."""
+first token, a request with a stop string (never held), a long capture past the
+held bytes' bound (sent early, the rest at its finish), and steps of held requests only
+(kept whole, split at the finish); nothing stays held."""
 import pytest
 
 from graphtap.testing.engines import _hf_model, make_llm, shutdown, tokenize
@@ -48,6 +49,22 @@ def test_held_outputs_equal_hf(engine, llama_path):
     for out, i, p in zip(outs, ids, plist):
         check(out, hf, i, p.max_tokens)
     assert len(outs[1].hooks.positions[SITES[0]]) == len(ids[1]) + 5  # chunked, past the bound
+
+
+def test_steps_of_held_requests_only_are_split_at_the_finish(engine, llama_path):
+    """Held requests alone in the batch: their steps stay whole on the worker (unsplit,
+    courier/held_chunks.py) and are split where a request goes; rows still equal HF's,
+    the long one's through chunked prefill and past the bound."""
+    hf = _hf_model(str(llama_path))
+    (before,) = engine.collective_rpc("graphtap_hook_stats")
+    ids = tokenize(llama_path, ["Numbers like 12, 40 and", LONG[:150]])
+    plist = [params(max_tokens=5), params(max_tokens=3)]
+    outs = engine.generate([{"prompt_token_ids": i} for i in ids], plist, use_tqdm=False)
+    for out, i, p in zip(outs, ids, plist):
+        check(out, hf, i, p.max_tokens)
+    (after,) = engine.collective_rpc("graphtap_hook_stats")
+    assert after["hold"]["steps_kept_total"] > before["hold"]["steps_kept_total"], after
+    assert after["hold"]["held_steps"] == 0
 
 
 def test_nothing_stays_held(engine, llama_path):

@@ -15,13 +15,33 @@ falls short of its length: an abort, or a finish decided outside vLLM's stop che
 fails its outputs with the reason, never returns them incomplete.
 
 A request that leaves the batch unfinished (preemption) loses what is held: its
-recomputation runs every position again and sends them."""
+recomputation runs every position again and sends them.
+
+Whole steps are held too (step_snapshots): a step whose rows all belong to held
+requests, none of them going now, is kept as its copied rows, unsplit, and split only
+at a step where one of its requests goes (or the bound is passed). The split of a
+prompt's rows (tens of microseconds a request, more than a millisecond a prefill step
+of hs captures on the H200 host) then runs at the finishing step, not on the way to
+the burst's first tokens. Only small steps are held whole (WHOLE_STEP_BYTES): a large
+step's split grows with its rows and, done as it comes, runs while the device computes
+the next step; held, it would land on the finishing step, where every request of the
+batch waits for it (qk's prefill steps did, on the H200). Steps with guards, held probe
+rows or sink rows are split as they come. A held step is split whole, older first, together with every older held
+step that shares a request with it, so each request's chunks keep step order; rows of a
+request that left since (or left and came back) are dropped there."""
 from __future__ import annotations
 
 import torch
 
+import itertools
+
 from graphtap.courier.chunks import FINISH, HELD
 from graphtap.courier.held import Ending, StepBatch, _sampled_by_request
+
+
+# the largest step copy held unsplit: a step of last-prompt residual captures (a few rows
+# a request) is well below it, a prefill step of every prompt position's k rows above
+WHOLE_STEP_BYTES = 1 << 20
 
 
 def holds_outputs(spec, params, max_bytes: int) -> bool:
@@ -36,22 +56,32 @@ def holds_outputs(spec, params, max_bytes: int) -> bool:
 class HeldChunks:
     """One worker's held chunks, per request in step order, and what may finish each."""
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, whole_step_bytes: int = WHOLE_STEP_BYTES):
+        self.max_bytes, self.whole_step_bytes = max_bytes, whole_step_bytes
         self._ending: dict[str, Ending] = {}
         self._chunks: dict[str, list[dict[str, torch.Tensor]]] = {}
         self._bytes: dict[str, int] = {}
-        # counters (stats): chunks kept, sends, and sends forced by the bound
-        self.kept, self.sends, self.bound_sends = 0, 0, 0
+        # whole steps held unsplit, oldest first: (snapshot, its requests' generations,
+        # its bytes); a generation tells a request that left and came back from before
+        self._steps: list[tuple[object, dict[str, int], int]] = []
+        self._gen: dict[str, int] = {}
+        self._gens = itertools.count()
+        # counters (stats): chunks kept, sends, sends forced by the bound, steps held whole
+        self.kept, self.sends, self.bound_sends, self.steps_kept = 0, 0, 0, 0
 
     def add_request(self, req_id: str, ending: Ending) -> None:
         self.remove_request(req_id)
         self._ending[req_id] = ending
+        self._gen[req_id] = next(self._gens)
 
     def remove_request(self, req_id: str) -> None:
         self._ending.pop(req_id, None)
         self._chunks.pop(req_id, None)
         self._bytes.pop(req_id, None)
+        if self._gen.pop(req_id, None) is not None and self._steps:
+            # a held step with no live request left holds nothing anyone gets
+            self._steps = [s for s in self._steps
+                           if any(self._gen.get(r) == g for r, g in s[1].items())]
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._ending
@@ -61,28 +91,69 @@ class HeldChunks:
 
     def stats(self) -> dict:
         return {"held_chunk_requests": len(self._ending),
-                "held_chunk_bytes": sum(self._bytes.values()),
+                "held_chunk_bytes": self._held_bytes(), "held_steps": len(self._steps),
                 "chunks_kept_total": self.kept, "sends_total": self.sends,
-                "bound_sends_total": self.bound_sends}
+                "bound_sends_total": self.bound_sends, "steps_kept_total": self.steps_kept}
 
-    def step(self, chunks: dict[str, dict[str, torch.Tensor]], batch: StepBatch | None,
-             step) -> dict[str, list[dict[str, torch.Tensor]]]:
-        """The step's chunks in; what goes home now out (per request, its chunks in step
-        order). `step`: the step's ModelRunnerOutput (sampled tokens); None, or no
-        batch: every held request of the step goes."""
-        out = {r: [c] for r, c in chunks.items() if r not in self._ending}
-        batch_reqs = batch.req_ids if batch is not None else []
-        held_here = [r for r in dict.fromkeys([*batch_reqs, *chunks]) if r in self._ending]
-        if not held_here:
-            return out
-        for req in held_here:
-            if req in chunks:
-                chunk = chunks[req]
-                self._chunks.setdefault(req, []).append(chunk)
-                self.kept += 1
-                self._bytes[req] = self._bytes.get(req, 0) + _kept_bytes(chunk)
+    def _held_bytes(self) -> int:
+        return sum(self._bytes.values()) + sum(s[2] for s in self._steps)
+
+    def step_snapshots(self, snap, step) -> dict[str, list[dict[str, torch.Tensor]]]:
+        """A step's snapshot (courier.snapshot.StepSnapshots, its rows copied home) in,
+        what goes home now out, as `step` returns it; the snapshot is held whole when
+        it may be (the module's docstring)."""
+        batch = snap.batch
+        reqs = snap.requests() if snap.may_wait() else set()
+        size = snap.nbytes() if reqs else 0
+        whole = bool(reqs) and size <= self.whole_step_bytes and \
+            all(r in self._ending for r in reqs)
+        chunks = {} if whole else snap.chunks(step)
         after = dict(zip(batch.req_ids, batch.computed_after.tolist())) if batch else {}
-        due = self._due(held_here, chunks, after, step)
+        held_here = [r for r in dict.fromkeys([*(batch.req_ids if batch else ()), *chunks])
+                     if r in self._ending]
+        coming = _coming_bytes(chunks, self._ending) + (size if whole else 0)
+        due = self._due(held_here, chunks, after, step, coming) if held_here else []
+        if whole and not reqs.isdisjoint(due):  # one of its requests goes now
+            whole, chunks = False, snap.chunks(step)
+        self._split_held_steps(set(due) | (set() if whole else set(chunks)))
+        if whole:
+            snap.release_parts()
+            self._steps.append((snap, {r: self._gen[r] for r in reqs}, size))
+            self.steps_kept += 1
+        return self._send(chunks, due, after)
+
+    def _split_held_steps(self, going: set[str]) -> None:
+        """Splits the held steps with a request in `going`, and every older one that
+        shares a request with a step split (so each request's chunks stay in step
+        order), oldest first; keeps their chunks as the split made them."""
+        if not self._steps or not going:
+            return
+        split = []
+        for i in range(len(self._steps) - 1, -1, -1):  # newest first: the closure
+            gens = self._steps[i][1]
+            if not going.isdisjoint(gens):
+                split.append(i)
+                going = going | gens.keys()
+        for i in reversed(split):  # oldest first
+            snap, gens, _ = self._steps[i]
+            for req, chunk in snap.chunks(None).items():
+                if self._gen.get(req) == gens.get(req):  # still the request it was
+                    self._keep(req, chunk)
+        for i in split:  # descending: the indices stay valid
+            del self._steps[i]
+
+    def _keep(self, req: str, chunk: dict[str, torch.Tensor]) -> None:
+        self._chunks.setdefault(req, []).append(chunk)
+        self.kept += 1
+        self._bytes[req] = self._bytes.get(req, 0) + _kept_bytes(chunk)
+
+    def _send(self, chunks: dict, due: list[str], after: dict[str, int]) -> dict:
+        """The step's chunks of requests nobody holds; the held ones kept; and the
+        chunks of each request in `due`, in step order, closed by HELD."""
+        out = {r: [c] for r, c in chunks.items() if r not in self._ending}
+        for req, chunk in chunks.items():
+            if req in self._ending:
+                self._keep(req, chunk)
         self.sends += len(due)
         for req in due:
             sent = self._chunks.pop(req, [])
@@ -92,11 +163,26 @@ class HeldChunks:
             out[req] = sent
         return out
 
-    def _due(self, reqs: list[str], chunks: dict, after: dict[str, int], step) -> list[str]:
-        """`after`: the batch's tokens computed per request (empty: no batch)."""
+    def step(self, chunks: dict[str, dict[str, torch.Tensor]], batch: StepBatch | None,
+             step) -> dict[str, list[dict[str, torch.Tensor]]]:
+        """The step's chunks in; what goes home now out (per request, its chunks in step
+        order). `step`: the step's ModelRunnerOutput (sampled tokens); None, or no
+        batch: every held request of the step goes."""
+        batch_reqs = batch.req_ids if batch is not None else []
+        held_here = [r for r in dict.fromkeys([*batch_reqs, *chunks]) if r in self._ending]
+        after = dict(zip(batch.req_ids, batch.computed_after.tolist())) if batch else {}
+        coming = _coming_bytes(chunks, self._ending)
+        due = self._due(held_here, chunks, after, step, coming) if held_here else []
+        self._split_held_steps(set(held_here))  # (held steps come from step_snapshots)
+        return self._send(chunks, due, after)
+
+    def _due(self, reqs: list[str], chunks: dict, after: dict[str, int], step,
+             coming: int = 0) -> list[str]:
+        """`after`: the batch's tokens computed per request (empty: no batch); `coming`:
+        the bytes this step would add to those held."""
         if not after or step is None:
             return reqs
-        if sum(self._bytes.values()) > self.max_bytes:
+        if self._held_bytes() + coming > self.max_bytes:
             self.bound_sends += len(reqs)
             return reqs
         sampled = _sampled_by_request(step)
@@ -108,6 +194,10 @@ class HeldChunks:
                     self._ending[req].may_finish(tokens, after[req] + len(tokens)):
                 due.append(req)
         return due
+
+
+def _coming_bytes(chunks: dict, held: dict) -> int:
+    return sum(_kept_bytes(c) for r, c in chunks.items() if r in held)
 
 
 def _kept_bytes(chunk: dict[str, torch.Tensor]) -> int:

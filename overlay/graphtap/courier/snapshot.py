@@ -39,6 +39,30 @@ class StepSnapshots:
     def release_device(self) -> None:  # nested in another: its parts release in per_request
         pass
 
+    # What held_chunks.HeldChunks.step_snapshots asks of a step it may hold whole.
+    def requests(self) -> set[str]:
+        """Every request that may have rows in the step (each part's slot map; parts
+        that may_wait)."""
+        return {r for part in self.parts for r in part.slot_to_req.values()}
+
+    def may_wait(self) -> bool:
+        """Whether the split may wait for a later step: not with a guard to evaluate
+        (it may stop a request now), held probe rows (their holder decides per step) or
+        rows for the sink (the writer takes them now)."""
+        return not self.guards and all(
+            isinstance(p, LabelledStep) and getattr(p, "held", None) is None and
+            p.sink is None for p in self.parts)  # not a refusal (RequestErrors): it goes
+
+    def release_parts(self) -> None:
+        """The device clones go (the copy home has run); the host rows stay."""
+        for part in self.parts:
+            part.release_device()
+
+    def nbytes(self) -> int:
+        """Host bytes the step's copies keep alive."""
+        return sum(t.untyped_storage().nbytes() for p in self.parts
+                   for t in (p.rows, p.labels) if isinstance(t, torch.Tensor))
+
     # Named ranges: profile_capture.py reads where the courier's host time goes.
     def to_cpu_nonblocking(self) -> None:
         with named("graphtap.to_cpu"), self.clock.phase("to_cpu"):
@@ -52,10 +76,10 @@ class StepSnapshots:
             return self._per_request(step)
 
     def _per_request(self, step) -> dict[str, HookPayload]:
-        chunks = self.chunks(step)
-        # held chunks (held_chunks.py) go when their request may finish, several at once
-        going = {req: (chunk,) for req, chunk in chunks.items()} if self.hold is None else \
-            self.hold.step(chunks, self.batch, step)
+        # held chunks (held_chunks.py) go when their request may finish, several at once;
+        # a step of held requests only may stay whole until then
+        going = {req: (chunk,) for req, chunk in self.chunks(step).items()} \
+            if self.hold is None else self.hold.step_snapshots(self, step)
         with named("graphtap.seal"):
             return {req: seal(*sent) for req, sent in going.items()}
 
