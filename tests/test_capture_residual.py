@@ -246,6 +246,7 @@ def test_probe_rows_come_home_however_the_request_ends(engine, llama_path):
     # the hook manager's host time per phase of the steps (profiling.HostClock)
     host = stats["host"]
     assert host["add_request_calls_total"] >= len(outs)
-    for phase in ("prepare_step", "collect", "to_cpu", "per_request", "apply_staged_writes"):
+    for phase in ("prepare_step", "prepare_plan", "prepare_route_tokens", "prepare_route_rows",
+                  "collect", "to_cpu", "per_request", "apply_staged_writes"):
         assert host[f"{phase}_calls_total"] > 0, phase
         assert host[f"{phase}_cpu_ms_total"] <= host[f"{phase}_wall_ms_total"] + 1.0, phase

@@ -237,18 +237,25 @@ class EngineHooks(HookManager):
 
     # ---------------------------------------------------------------- steps
     def prepare_step(self, input_batch, dummy_run) -> None:
-        with named("graphtap.prepare_step"), self.clock.phase("prepare_step"):
-            plans = [None] * len(self.families) if dummy_run else \
-                [family.plan(input_batch) for family in self.families]
-            if any(plans):
-                self.router.route(input_batch, positions=self.steer.steers_heads(input_batch))
-            else:
-                self.router.deactivate()
-            for family, plan in zip(self.families, plans):
-                if plan:
-                    family.route(input_batch, self.router, plan)
+        # its parts timed apart too (stats host.prepare_*): the host's share of a step
+        # before the forward, which a burst's first steps wait for
+        clock = self.clock
+        with named("graphtap.prepare_step"), clock.phase("prepare_step"):
+            with clock.phase("prepare_plan"):
+                plans = [None] * len(self.families) if dummy_run else \
+                    [family.plan(input_batch) for family in self.families]
+            with clock.phase("prepare_route_tokens"):
+                if any(plans):
+                    self.router.route(input_batch,
+                                      positions=self.steer.steers_heads(input_batch))
                 else:
-                    family.deactivate()
+                    self.router.deactivate()
+            with clock.phase("prepare_route_rows"):
+                for family, plan in zip(self.families, plans):
+                    if plan:
+                        family.route(input_batch, self.router, plan)
+                    else:
+                        family.deactivate()
 
     def prepare_capture(self) -> None:
         self.router.deactivate()
