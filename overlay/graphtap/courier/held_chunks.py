@@ -26,14 +26,15 @@ the burst's first tokens. Only small steps are held whole (WHOLE_STEP_BYTES): a 
 step's split grows with its rows and, done as it comes, runs while the device computes
 the next step; held, it would land on the finishing step, where every request of the
 batch waits for it (qk's prefill steps did, on the H200). Steps with guards, held probe
-rows or sink rows are split as they come. A held step is split whole, older first, together with every older held
-step that shares a request with it, so each request's chunks keep step order; rows of a
-request that left since (or left and came back) are dropped there."""
+rows or sink rows are split as they come. A held step is split whole, together with
+every older held step that shares a request with it, oldest first, so each request's
+chunks keep step order; rows of a request that left since (or left and came back) are
+dropped there."""
 from __future__ import annotations
 
-import torch
-
 import itertools
+
+import torch
 
 from graphtap.courier.chunks import FINISH, HELD
 from graphtap.courier.held import Ending, StepBatch, _sampled_by_request
@@ -102,17 +103,13 @@ class HeldChunks:
         """A step's snapshot (courier.snapshot.StepSnapshots, its rows copied home) in,
         what goes home now out, as `step` returns it; the snapshot is held whole when
         it may be (the module's docstring)."""
-        batch = snap.batch
         reqs = snap.requests() if snap.may_wait() else set()
         size = snap.nbytes() if reqs else 0
         whole = bool(reqs) and size <= self.whole_step_bytes and \
             all(r in self._ending for r in reqs)
         chunks = {} if whole else snap.chunks(step)
-        after = dict(zip(batch.req_ids, batch.computed_after.tolist())) if batch else {}
-        held_here = [r for r in dict.fromkeys([*(batch.req_ids if batch else ()), *chunks])
-                     if r in self._ending]
         coming = _coming_bytes(chunks, self._ending) + (size if whole else 0)
-        due = self._due(held_here, chunks, after, step, coming) if held_here else []
+        after, due = self._decide(snap.batch, chunks, step, coming)
         if whole and not reqs.isdisjoint(due):  # one of its requests goes now
             whole, chunks = False, snap.chunks(step)
         self._split_held_steps(set(due) | (set() if whole else set(chunks)))
@@ -168,13 +165,18 @@ class HeldChunks:
         """The step's chunks in; what goes home now out (per request, its chunks in step
         order). `step`: the step's ModelRunnerOutput (sampled tokens); None, or no
         batch: every held request of the step goes."""
-        batch_reqs = batch.req_ids if batch is not None else []
-        held_here = [r for r in dict.fromkeys([*batch_reqs, *chunks]) if r in self._ending]
-        after = dict(zip(batch.req_ids, batch.computed_after.tolist())) if batch else {}
-        coming = _coming_bytes(chunks, self._ending)
-        due = self._due(held_here, chunks, after, step, coming) if held_here else []
-        self._split_held_steps(set(held_here))  # (held steps come from step_snapshots)
+        after, due = self._decide(batch, chunks, step, _coming_bytes(chunks, self._ending))
+        self._split_held_steps(set(due) | set(chunks))
         return self._send(chunks, due, after)
+
+    def _decide(self, batch: StepBatch | None, chunks: dict, step,
+                coming: int) -> tuple[dict[str, int], list[str]]:
+        """The batch's tokens computed per request (empty: no batch), and which held
+        requests of the step (in the batch or with chunks) go now."""
+        after = dict(zip(batch.req_ids, batch.computed_after.tolist())) if batch else {}
+        held_here = [r for r in dict.fromkeys([*(batch.req_ids if batch else ()), *chunks])
+                     if r in self._ending]
+        return after, self._due(held_here, chunks, after, step, coming) if held_here else []
 
     def _due(self, reqs: list[str], chunks: dict, after: dict[str, int], step,
              coming: int = 0) -> list[str]:

@@ -41,8 +41,8 @@ class StepSnapshots:
 
     # What held_chunks.HeldChunks.step_snapshots asks of a step it may hold whole.
     def requests(self) -> set[str]:
-        """Every request that may have rows in the step (each part's slot map; parts
-        that may_wait)."""
+        """Every request that may have rows in the step (each part's slot map): asked
+        only where may_wait holds, every part then being a LabelledStep."""
         return {r for part in self.parts for r in part.slot_to_req.values()}
 
     def may_wait(self) -> bool:
