@@ -3,6 +3,7 @@ once, in order, per site, across shards; memory stays under its bound while a sl
 holds the writer back (put blocks, nothing is dropped); a failed write stops the sink
 loudly; the index lists requests and shards."""
 import json
+import threading
 import time
 
 import numpy as np
@@ -254,23 +255,31 @@ def test_a_handover_of_several_sites_is_checked_and_split(tmp_path):
 
 
 class CopyStream:
-    """Stands in for the sink's CUDA stream: chunks put as zeros get their bytes when an
-    event of theirs, or a later one, is waited for (events of one stream complete in
-    order)."""
+    """Stands in for the sink's CUDA stream: chunks put as zeros get their bytes in the
+    order they were queued, and an event's synchronize returns once every copy queued up
+    to it has run (events of one stream complete in order), whichever writer thread runs
+    them. A lock keeps two writers from seeing each other's copies half done (the first
+    version popped a copy and ran it outside any lock: a second writer could return
+    before the copy it needed had landed, and write zeros). `slow`: {copy number: the
+    seconds it takes}."""
 
-    def __init__(self):
-        self.pending, self.waits = [], 0
+    def __init__(self, slow: dict | None = None):
+        self.pending, self.done, self.waits = [], 0, 0
+        self.slow, self._lock = slow or {}, threading.Lock()
 
     def event(self, chunk, value):
         self.pending.append((chunk, value))
-        stream = self
+        stream, upto = self, len(self.pending)
 
         class Event:
             def synchronize(self):
-                stream.waits += 1
-                while stream.pending:  # everything queued before it has run
-                    c, v = stream.pending.pop(0)
-                    c.copy_(v)
+                with stream._lock:
+                    stream.waits += 1
+                    while stream.done < upto:
+                        c, v = stream.pending[stream.done]
+                        time.sleep(stream.slow.get(stream.done, 0.0))
+                        c.copy_(v)
+                        stream.done += 1
         return Event()
 
 
@@ -291,3 +300,25 @@ def test_rows_still_on_their_way_are_written_after_their_copy_event(tmp_path):
     assert [s["rows"] for s in index["shards"]] == [6, 2]
     assert np.array_equal(read_site(tmp_path, index, "a")["values"], want.numpy())
     assert stream.waits == 2  # one wait per shard
+
+
+@pytest.mark.parametrize("attempt", range(4))
+def test_each_shard_waits_for_its_own_copy_while_another_writer_runs_the_copies(
+        tmp_path, attempt):
+    """Two writer threads wait on the same stream at once (the first shard's and, at
+    close, the tail's) while the last copy takes a while: each shard's rows are there
+    when it is written. Regression: the first test stream let the tail's writer return
+    while the other writer was still running the tail's copy (CI wrote the tail as
+    zeros; with the slow copy it failed about one attempt in four)."""
+    import torch
+
+    stream, sink = CopyStream(slow={3: 0.05}), SinkWriter(tmp_path, shard_rows=6)
+    want = torch.arange(24, dtype=torch.float32).reshape(8, 3) + attempt
+    for i in range(4):
+        chunk = torch.zeros(2, 3)
+        ready = stream.event(chunk, want[2 * i:2 * i + 2])
+        sink.put_runs(np.zeros(2), np.arange(2 * i, 2 * i + 2), np.zeros(2),
+                      [("a", 2, [chunk])], ready)
+    index = sink.close()
+    assert [s["rows"] for s in index["shards"]] == [6, 2]
+    assert np.array_equal(read_site(tmp_path, index, "a")["values"], want.numpy())
