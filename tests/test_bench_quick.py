@@ -242,6 +242,28 @@ def test_added_work_is_over_the_idle_runs():
     assert modes[0]["graphtap_added_ms_per_step"] == -0.01
 
 
+def test_device_gaps_merge_overlaps_and_count_waits():
+    """profile_capture.device_gaps: overlapping device activities are one busy span; the
+    host events are left out; gaps over 0.1 ms are listed largest first, with where."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.gpu.profile_capture import device_gaps
+
+    def ev(start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(device_type=device,
+                               time_range=SimpleNamespace(start=start, end=end))
+    prof = SimpleNamespace(events=lambda: [
+        ev(0, 100), ev(50, 300), ev(320, 400), ev(900, 1000), ev(0, 5000, DeviceType.CPU),
+        ev(1100, 1100)])  # an empty one: ignored
+    got = device_gaps(prof)
+    assert got["span_ms"] == 1.0 and got["busy_ms"] == 0.48 and got["idle_ms"] == 0.52
+    assert got["gaps_over_100us"] == 1 and got["gaps_over_100us_ms"] == 0.5
+    assert got["largest_gaps_ms_at_ms"] == [(0.5, 0.4)]
+    assert device_gaps(SimpleNamespace(events=lambda: [ev(0, 9, DeviceType.CPU)])) == {}
+
+
 def test_bench_twin_quick(tmp_path):
     """bench_twin.py on CPU: two engines, each mode beside an idle run with the same
     arrivals, rows complete, paired per `pair` on both clocks; dump at the burst only

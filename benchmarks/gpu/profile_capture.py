@@ -139,6 +139,38 @@ def device_ms(prof) -> tuple[float, float]:
     return total, ours
 
 
+def device_gaps(prof) -> dict:
+    """Where the device waited in a profiled run: its activities' intervals merged, the
+    time from the first to the last (`span_ms`), busy and idle inside it, and the idle
+    gaps over 0.1 ms (count, ms in all, the five largest with their offset from the
+    start). A capture mode whose steps wait for the host shows more idle time than idle
+    mode's; one whose kernels cost more shows more busy time (issue 18: a burst's
+    capturing requests reached their first token 2-5 ms after idle ones)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type != DeviceType.CPU and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    busy, gaps, (lo, hi) = 0.0, [], spans[0]
+    first = lo
+    for a, b in spans[1:]:
+        if a > hi:
+            busy += hi - lo
+            gaps.append((a - hi, hi - first))
+            lo, hi = a, b
+        else:
+            hi = max(hi, b)
+    busy += hi - lo
+    big = [g for g in gaps if g[0] > 100]
+    return {"span_ms": round((hi - first) / 1000, 3), "busy_ms": round(busy / 1000, 3),
+            "idle_ms": round(sum(g for g, _ in gaps) / 1000, 3),
+            "gaps_over_100us": len(big),
+            "gaps_over_100us_ms": round(sum(g for g, _ in big) / 1000, 3),
+            "largest_gaps_ms_at_ms": [(round(g / 1000, 3), round(at / 1000, 1))
+                                      for g, at in sorted(big, reverse=True)[:5]]}
+
+
 def added_work(modes: list[dict]) -> None:
     """Per mode: graphtap's own work per step (its named host ranges plus its kernels'
     device time) over the idle runs' mean, in ms and in % of idle's step. Both halves are
@@ -300,6 +332,7 @@ def main() -> int:
         r["device_ms_per_step"] = round(dev_total / max(steps, 1), 4)
         r["graphtap_device_ms_per_step"] = round(dev_ours / max(steps, 1), 4)
         r["step_kinds"] = step_kinds(prof)
+        r["device_gaps"] = device_gaps(prof)
         r["stalls"] = {e.key: {"count": e.count, "cpu_ms": e.cpu_time_total / 1000}
                        for e in events if any(s in e.key for s in STALLS)}
         r["top_host_ops"] = [(e.key, e.count, round(e.self_cpu_time_total / 1000, 2))
