@@ -44,3 +44,66 @@ def test_reset_restores_only_its_fields(specs, data):
         block.reset(slot, chosen)
         np.testing.assert_array_equal(block.host, expected)
         assert block._dirty == {slot}
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["claim", "release",
+                                                                    "rewrite", "apply"])),
+                    max_size=30))
+def test_claims_and_releases_keep_the_device_equal_to_the_host(ops):
+    """A family's resets as requests come and go (claim: it writes entries next; release:
+    the request holds none; rewrite: always, the probe ring's way): after every staged
+    write the device holds what the host does, a released slot is inactive, and a
+    release of a slot known inactive stages nothing (a plain request's admission costs
+    no row copy)."""
+    layout = SlotLayout()
+    site = layout.reserve((2,), torch.int32, -1.0)
+    coef = layout.reserve((2, 3), torch.float32, (1.0, 0.0, 5.0))
+    fields = [site, coef]
+    block = SlotBlock(layout, slots=4, device=torch.device("cpu"))
+    inactive = block.host[0].copy()
+    rng = np.random.default_rng(len(ops))
+    known_inactive = [True] * 4  # the test's own account: released since last written
+    for slot, op in ops:
+        if op == "apply":
+            block.apply()
+            assert np.array_equal(block.gpu.numpy(), block.host)
+            continue
+        staged = set(block._dirty)
+        block.reset(slot, fields, {"claim": True, "release": False, "rewrite": None}[op])
+        if op == "release":
+            assert np.array_equal(block.host[slot], inactive)
+            if known_inactive[slot]:
+                assert block._dirty == staged  # nothing written, nothing staged
+        else:
+            assert slot in block._dirty
+            if op == "claim":
+                assert np.array_equal(block.host[slot], inactive)
+                block.host_view(site)[slot] = rng.integers(0, 9, 2)  # its entries
+                block.host_view(coef)[slot] = rng.normal(size=(2, 3))
+        known_inactive[slot] = op == "release"
+    block.apply()
+    assert np.array_equal(block.gpu.numpy(), block.host)
+
+
+def test_a_plain_request_stages_no_row_where_the_slot_is_inactive():
+    """Releasing a slot twice stages it once; claiming a clean slot stages it without
+    rewriting it; a rewrite (None) always stages."""
+    layout = SlotLayout()
+    f = layout.reserve((3,), torch.int32, -1.0)
+    block = SlotBlock(layout, slots=2, device=torch.device("cpu"))
+    block.reset(1, [f], claim=False)
+    assert not block._dirty  # never used: nothing to write
+    block.reset(1, [f], claim=True)
+    block.host_view(f)[1] = (4, 5, 6)
+    assert block._dirty == {1}
+    block.apply()
+    block.reset(1, [f], claim=False)
+    assert block._dirty == {1} and block.host_view(f)[1].tolist() == [-1, -1, -1]
+    block.apply()
+    block.reset(1, [f], claim=False)
+    assert not block._dirty
+    block.reset(1, [f], claim=None)
+    assert block._dirty == {1}
+    block.apply()
+    assert block.gpu.tolist() == block.host.tolist() == [[-1, -1, -1]] * 2

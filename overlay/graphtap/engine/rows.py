@@ -88,11 +88,11 @@ class RowFamily(FamilyBase):
                     spec: NormalisedSpec) -> None:
         self.remove_request(req_id)
         f = self.fields
-        self.reset_slot(slot)
+        entries = self.entries(spec)
+        self.reset_slot(slot, claim=bool(entries))
         self._table.drop(slot)
         site, pos = self.slots.host_view(f.site)[slot], self.slots.host_view(f.pos)[slot]
         formats, wanted, bitmaps = {}, Wants(self.max_len), {}
-        entries = self.entries(spec)
         for i, entry in enumerate(entries):
             sid = self.sites.id_of(entry.layer, self.kind_of(entry))
             dtype = self.model_dtype if entry.dtype == "model" else torch.float32
@@ -117,12 +117,16 @@ class RowFamily(FamilyBase):
             self._cols.pop(slot, None)
             del self._wanted[req_id]
             self._table.drop(slot)
-            self.reset_slot(slot)  # inactive again (written with the next staged writes)
+            self.reset_slot(slot, claim=False)  # inactive again (with the next staged writes)
 
-    def reset_slot(self, slot: int) -> None:
+    # Whether the slot block may skip resetting a slot known inactive (SlotBlock.reset):
+    # not where the family writes its fields outside add_request (the probe ring).
+    skip_clean_resets = True
+
+    def reset_slot(self, slot: int, claim: bool | None = None) -> None:
         f = self.fields
         self.slots.reset(slot, [x for x in (f.site, f.pos, f.heads, *self.extra_fields)
-                                if x is not None])
+                                if x is not None], claim if self.skip_clean_resets else None)
 
     def stats(self) -> dict:
         return {"requests": len(self._slot_of),

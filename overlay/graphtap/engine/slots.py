@@ -74,6 +74,8 @@ class SlotBlock:
         self.gpu = torch.from_numpy(self.host.copy()).to(device)
         self._dirty: set[int] = set()
         self._resets: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+        # per field list, the slots whose fields are known inactive (reset, claim False)
+        self._clean: dict[tuple[int, ...], np.ndarray] = {}
 
     def view(self, f: SlotField) -> torch.Tensor:
         """The device view of a field: [slots, *shape], strides (block width, ...)."""
@@ -83,15 +85,27 @@ class SlotBlock:
     def host_view(self, f: SlotField) -> np.ndarray:
         return _field_view(self.host, f)
 
-    def reset(self, slot: int, fields: list[SlotField]) -> None:
+    def reset(self, slot: int, fields: list[SlotField], claim: bool | None = None) -> None:
         """A slot's fields back to inactive (a family rewrites its whole row per request,
         so a reused slot inherits nothing): one assignment of the fields' columns from
-        their inactive row, made once per field list (every request, idle ones too, goes
-        through each family's reset on admission: a view per field was most of it)."""
+        their inactive row, made once per field list. `claim`: True, the family writes
+        the slot's entries next (staged either way); False, the request holds none of
+        them: nothing to do where the fields are inactive already, on the host and on
+        the device once the staged writes ran (most families of most requests: a plain
+        request went through every family's reset, ~70 us of its admission on the H200
+        host); None, rewritten and staged whatever they hold (a family that writes them
+        elsewhere too: the probe ring). The ops write nothing of an inactive slot."""
         key = tuple(f.offset for f in fields)
-        cols, values = self._resets.get(key) or self._reset_row(key, fields)
-        self.host[slot, cols] = values
+        clean = self._clean.get(key)
+        if clean is None:  # every slot starts inactive
+            clean = self._clean[key] = np.ones(self.host.shape[0], dtype=bool)
+        if claim is False and clean[slot]:
+            return
+        if not (claim and clean[slot]):
+            cols, values = self._resets.get(key) or self._reset_row(key, fields)
+            self.host[slot, cols] = values
         self._dirty.add(slot)
+        clean[slot] = claim is False
 
     def _reset_row(self, key: tuple[int, ...], fields: list[SlotField]):
         row = np.zeros((1, self.host.shape[1]), dtype=np.int32)

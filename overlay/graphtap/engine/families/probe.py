@@ -36,6 +36,7 @@ class ProbeFamily(RowFamily):
     step_class = CaptureStep
     overflow_kind = OverflowKind.PROBE_ROWS
     host_labels = HOST_LABELS
+    skip_clean_resets = False  # the ring writes ring_from (engine/ring.py)
 
     def __init__(self, tables, fields: ProbeFields, slots, *args, bank: VectorBank,
                  **kwargs):

@@ -34,9 +34,10 @@ class SteerFamily(FamilyBase):
                     spec: NormalisedSpec) -> None:
         self.remove_request(req_id)
         f, host = self.fields, self.slots.host_view
-        self.slots.reset(slot, f.all)  # a refilled slot's gates start undecided (off)
         wanted = [(s.key, s.vector) for s in spec.steer] + \
             [(s.condition.key, s.condition.vector) for s in spec.steer if s.condition]
+        # a refilled slot's gates start undecided (off)
+        self.slots.reset(slot, f.all, claim=bool(wanted))
         try:
             rows = self.bank.acquire_all(wanted)
         except BankFull as e:  # refuse the request, never raise: the engine would die
@@ -74,7 +75,7 @@ class SteerFamily(FamilyBase):
             self.bank.release(key)
         slot = self._slot_of.pop(req_id, None)
         if slot is not None:  # inactive again (written with the next staged writes)
-            self.slots.reset(slot, self.fields.all)
+            self.slots.reset(slot, self.fields.all, claim=False)
 
     def stats(self) -> dict:
         return {"requests": len(self._keys), "vectors_held": self.bank.held(),
