@@ -18,7 +18,7 @@ from graphtap.log import get_logger
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)
-from graphtap.spec.limits import check_response_size
+from graphtap.spec.limits import SizePlan
 from graphtap.support import model_heads, refuse_unsupported
 from graphtap.wire import encode
 
@@ -75,7 +75,9 @@ class GraphtapFrontend(HookFrontend):
         self._bytes: dict[str, int] = {}  # live requests' capture byte estimates
         self.api_servers = 1  # API server processes, each with a frontend of its own
         # spec text -> its normalised spec (see _normalised), least recently used first
-        self._specs: OrderedDict[tuple[bytes, int], NormalisedSpec] = OrderedDict()
+        # (with its SizePlan: what it may return, per request's lengths)
+        self._specs: OrderedDict[tuple[bytes, int], tuple[NormalisedSpec, SizePlan]] = \
+            OrderedDict()
         self.saver = Saver(shape.save_root, shape.save_quota_bytes)
 
     @classmethod
@@ -121,8 +123,8 @@ class GraphtapFrontend(HookFrontend):
         if not raw:
             params.hooks = None
             return combined_salt(cache_salt, NormalisedSpec())  # namespaced all the same
-        spec = self._normalised(raw)
-        size = check_response_size(spec, prompt_len, params.max_tokens or 1, self.shape)
+        spec, plan = self._normalised(raw)
+        size = plan.check(prompt_len, params.max_tokens or 1)
         spec = msgspec.structs.replace(spec, capture_bytes=size)
         if spec.captures_anything and getattr(params, "n", 1) > 1:
             # Each sample is its own engine request, but RequestOutput.hooks has room for
@@ -136,10 +138,11 @@ class GraphtapFrontend(HookFrontend):
             params.skip_reading_prefix_cache = True
         return combined_salt(cache_salt, spec, prompt_len)
 
-    def _normalised(self, raw) -> NormalisedSpec:
-        """parse_spec + normalise, remembered per spec text: a deployment's guard or
-        capture spec is the same in every request, and each of a burst's requests waits
-        for the ones before it here (an hs spec: 15 of its 30 us on the dev CPU). Keyed by
+    def _normalised(self, raw) -> tuple[NormalisedSpec, SizePlan]:
+        """parse_spec + normalise, and the spec's SizePlan, remembered per spec text: a
+        deployment's guard or capture spec is the same in every request, and each of a
+        burst's requests waits for the ones before it here (an hs spec: 15 of its 30 us
+        on the dev CPU). Keyed by
         the msgpack bytes of a spec of JSON types only (they tell apart what validation
         does: 1 from 1.0 and True, NaN from null; a spec holding a tuple, bytes or a numpy
         array, which msgpack would write as a list or bytes, is normalised each time), and
@@ -151,16 +154,17 @@ class GraphtapFrontend(HookFrontend):
         key = (text, self.vectors.generation) if 0 < len(text) <= SPEC_CACHE_BYTES else None
         if key is not None:
             with self._lock:
-                if (spec := self._specs.get(key)) is not None:
+                if (known := self._specs.get(key)) is not None:
                     self._specs.move_to_end(key)
-                    return spec
+                    return known
         spec = normalise(parse_spec(raw), self.shape, self.vectors)  # may raise: not kept
+        known = spec, SizePlan(spec, self.shape)
         if key is not None:
             with self._lock:
-                self._specs[key] = spec
+                self._specs[key] = known
                 if len(self._specs) > SPEC_CACHE:
                     self._specs.popitem(last=False)
-        return spec
+        return known
 
     def admit_request(self, request) -> None:
         params = request.sampling_params
