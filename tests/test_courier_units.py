@@ -1,9 +1,11 @@
 """The courier's host side, without an engine: what the output path does to captures."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphtap.courier import CaptureStep, RowFormat, StepRows
-from graphtap.courier.chunks import OverflowKind
+from graphtap.courier.chunks import OVERFLOW, OverflowKind
 from graphtap.courier.pack import unpack
 from graphtap.courier.payload import seal
 from graphtap.frontend import GraphtapFrontend
@@ -80,8 +82,9 @@ GROUPED = [(s, 0, p) for s in (2, 7, 0, 1) for p in range(3)] + \
     [(s, 2, p) for s in (1, 0) for p in (4, 5)]
 
 
+@pytest.mark.parametrize("small_rows", [0, 1000], ids=["arrays", "plain"])
 @pytest.mark.parametrize("labels", [SPLIT, GROUPED], ids=["split", "grouped"])
-def test_step_split_per_request_matches_a_row_by_row_reference(labels):
+def test_step_split_per_request_matches_a_row_by_row_reference(labels, small_rows):
     """CaptureStep.per_request against a row-by-row reference: residual rows (full
     width), k rows of chosen heads (narrower site), v rows of every head, a float32
     request beside model-dtype ones, rows in the buffer as the device leaves them. No
@@ -101,6 +104,7 @@ def test_step_split_per_request_matches_a_row_by_row_reference(labels):
     rows = torch.randn(len(labels) + 3, width).to(torch.bfloat16)  # + unused rows
     snap = step(rows, torch.tensor(labels + [(9, 9, 9)] * 3), len(labels),
                 {0: "a", 1: "b", 2: "c", 9: "gone"}, formats, names)
+    snap.small_rows = small_rows  # the array passes, or the small steps' plain Python
     out = {r: unpack(c) for r, c in snap.per_request().items()}
     assert set(out) == {"a", "b", "c"}
     for req, slot in (("a", 0), ("b", 1), ("c", 2)):
@@ -208,3 +212,59 @@ def test_grouped_in_order_against_brute_force(columns):
                 ok = False
             prev = tuple(r)
         assert grouped_in_order(labels, order) == ok, labels
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_small_steps_split_in_plain_python_as_the_array_passes_do(data):
+    """A small step's split (CaptureStep._split_small) gives every request the same
+    tensors under the same keys as the array passes (_split): packs per output format in
+    site order, solo sites of SOLO_BYTES or more, casts and chosen heads, rows in
+    position order whatever the buffer's order, requests gone or not in the batch left
+    out, a request that lost rows its overflow error."""
+    from graphtap.courier.pack import SOLO_BYTES
+
+    width, hd = 16, 2
+    names = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k",
+             2: "blocks.1.attn.hook_v", 3: "blocks.2.hook_resid_post"}
+    slots = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True))
+    formats = {}
+    for slot in slots:
+        dtype = data.draw(st.sampled_from([torch.bfloat16, torch.float32]))
+        heads = data.draw(st.sampled_from([None, (0, 1), (3, 1), (2,), (1, 2, 3)]))
+        formats[slot] = {0: RowFormat(dtype, width, None, 0),
+                         1: RowFormat(dtype, 8, heads, hd), 2: RowFormat(dtype, 8, None, hd),
+                         3: RowFormat(torch.float32, width, None, 0)}
+    # rows: (slot, site, position), each position once per (slot, site); some big enough
+    # for a site to go solo (SOLO_BYTES / 64 B rows), in any order
+    solo = SOLO_BYTES // (width * 4) + 1
+    labels = []
+    for slot in slots:
+        for site in data.draw(st.lists(st.integers(0, 3), max_size=4, unique=True)):
+            n = data.draw(st.sampled_from([1, 2, 5, solo]))
+            start = data.draw(st.integers(0, 40))
+            labels += [(slot, site, start + p) for p in range(n)]
+    labels = data.draw(st.permutations(labels))
+    if not labels:
+        return
+    live = {s: f"r{s}" for s in slots if data.draw(st.booleans()) or s == slots[0]}
+    rows = torch.randn(len(labels) + 2, width).to(torch.bfloat16)
+    lost = data.draw(st.sampled_from([0, 0, 0, 1]))  # the last row lost: overflow
+    label_t = torch.tensor(labels + [(9, 9, 9)] * 2)
+    wanted = torch.bincount(label_t[:len(labels), 0], minlength=11)
+    count = torch.cat([torch.tensor([len(labels) - lost]), wanted])
+    out = []
+    for small in (0, 10**6):
+        snap = CaptureStep(StepRows(rows, label_t, count, live, formats, names, 100,
+                                    OverflowKind.CAPTURE_ROWS))
+        snap.small_rows = small
+        out.append(snap.per_request())
+    arrays, plain = out
+    assert arrays.keys() == plain.keys()
+    if lost and labels[-1][0] in live:  # only the overflow report, no partial rows
+        assert list(arrays[live[labels[-1][0]]]) == [OVERFLOW]
+    for req in arrays:
+        assert arrays[req].keys() == plain[req].keys(), req
+        for key in arrays[req]:
+            a, b = arrays[req][key], plain[req][key]
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key

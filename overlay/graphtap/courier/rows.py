@@ -42,6 +42,12 @@ class CaptureStep(LabelledStep):
 
     rows_ready = None  # a sink step's event: its rows are on the host (None: with the rest)
     staged = None  # the offset of the sink's staging block its rows were copied into
+    # Steps of at most this many rows are split in plain Python (_split_small): the array
+    # passes' fixed cost (some 60 numpy and torch calls, ~200 us on the dev CPU whatever
+    # the rows) was most of a small step's split, as a burst's first steps (one or a few
+    # requests' last-prompt rows), which the engine's next admissions wait for. Plain
+    # Python costs ~35 us a request there: past ~10 requests the array passes win.
+    small_rows = 32
 
     def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
         # A sink step's rows go home on the sink's own stream: on vLLM's copy stream the
@@ -73,6 +79,8 @@ class CaptureStep(LabelledStep):
                 return failed  # every row went to the sink (a harvest's steps)
             if self.rows_ready is not None:
                 self.rows_ready.synchronize()  # other requests' rows rode the sink's stream
+            if keep is None and min(int(self.count[0]), self.rows.shape[0]) <= self.small_rows:
+                return self._split_small()
             return {**self._split(keep), **failed}
         finally:
             if self.staged is not None:  # the block goes back once the views are written
@@ -131,6 +139,39 @@ class CaptureStep(LabelledStep):
                 key = pack_key([self.site_names[m[2]] for m in members[first:end]])
                 chunk[key], chunk[positions_key(key)] = rows_part, index[packs_seen]
                 packs_seen += 1
+        return out
+
+    def _split_small(self) -> dict[str, dict[str, torch.Tensor]]:
+        """_split's result for a step of few rows, grouped in plain Python over the
+        labels: per request (by slot), each site with SOLO_BYTES of rows or more on its
+        own, the others packed per output format in site order, every group's rows in
+        position order (tests/test_courier_units.py holds it to _split)."""
+        used = min(int(self.count[0]), self.rows.shape[0])
+        groups: dict[int, dict[int, list[tuple[int, int]]]] = {}
+        for row, (slot, site, pos) in enumerate(self.labels[:used, :HOST_LABELS].tolist()):
+            if slot in self.slot_to_req:
+                groups.setdefault(slot, {}).setdefault(site, []).append((pos, row))
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for slot in sorted(groups):
+            chunk = out.setdefault(self.slot_to_req[slot], {})
+            packs: dict[RowFormat, list[tuple[int, list[tuple[int, int]]]]] = {}
+            for site in sorted(groups[slot]):
+                found = sorted(groups[slot][site])
+                fmt = _pack_format(self.formats[slot][site])
+                if len(found) * row_bytes(fmt) < SOLO_BYTES:
+                    packs.setdefault(fmt, []).append((site, found))
+                    continue
+                name = self.site_names[site]
+                chunk[name] = self._gather(np.array([r for _, r in found], np.int64), fmt)
+                chunk[positions_key(name)] = torch.tensor([p for p, _ in found],
+                                                          dtype=torch.int64)
+            for fmt, members in packs.items():
+                key = pack_key([self.site_names[site] for site, _ in members])
+                chunk[key] = self._gather(np.array(
+                    [r for _, found in members for _, r in found], np.int64), fmt)
+                chunk[positions_key(key)] = torch.tensor(
+                    [len(found) for _, found in members] +
+                    [p for _, found in members for p, _ in found], dtype=torch.int64)
         return out
 
     def _gather(self, rows: np.ndarray, fmt: RowFormat) -> torch.Tensor:
