@@ -154,12 +154,16 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
 
 
 @pytest.mark.parametrize("reqs,rows_each,load", [(64, 1, "dump"), (16, 256, "dump"),
-                                                 (8, 256, "qk")],
-                         ids=["decode64", "prefill16", "qk-prefill8"])
+                                                 (8, 256, "qk"), (1, 1, "dump"),
+                                                 (8, 1, "dump")],
+                         ids=["decode64", "prefill16", "qk-prefill8", "hs-first1", "hs-step8"])
 def test_courier_split(benchmark, reqs, rows_each, load):
     """The host side of the courier for one step: rows split per request (the
     capture-throughput bottleneck measured on the H200; figures in
-    benchmarks/results/README.md)."""
+    benchmarks/results/README.md). hs-first1 / hs-step8: the last-prompt rows (3 sites)
+    of a burst's first step (request 0 alone) and of a prefill step of 8 requests,
+    split in plain Python (CaptureStep.small_rows), which the burst's next admissions
+    wait for."""
     snap = step_snapshot(reqs, rows_each, load)
     out = benchmark(snap.per_request)
     name = snap.site_names[1]
