@@ -283,20 +283,27 @@ class CopyStream:
         return Event()
 
 
-def test_rows_still_on_their_way_are_written_after_their_copy_event(tmp_path):
-    """A sink step's rows come home on the sink's own stream (not gating vLLM's token
-    copy): the writer gets them with the copy's event and waits for it before it writes,
-    once per shard (the latest event of its pieces)."""
+def _four_steps_on_their_way(tmp_path, stream: CopyStream, offset: float = 0.0):
+    """Four sink steps of 2 rows, each handed over with its copy still queued on
+    `stream`, into shards of 6 rows; the writer closed. Returns the index and the rows."""
     import torch
 
-    stream, sink = CopyStream(), SinkWriter(tmp_path, shard_rows=6)
-    want = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    sink = SinkWriter(tmp_path, shard_rows=6)
+    want = torch.arange(24, dtype=torch.float32).reshape(8, 3) + offset
     for i in range(4):
         chunk = torch.zeros(2, 3)
         ready = stream.event(chunk, want[2 * i:2 * i + 2])
         sink.put_runs(np.zeros(2), np.arange(2 * i, 2 * i + 2), np.zeros(2),
                       [("a", 2, [chunk])], ready)
-    index = sink.close()
+    return sink.close(), want
+
+
+def test_rows_still_on_their_way_are_written_after_their_copy_event(tmp_path):
+    """A sink step's rows come home on the sink's own stream (not gating vLLM's token
+    copy): the writer gets them with the copy's event and waits for it before it writes,
+    once per shard (the latest event of its pieces)."""
+    stream = CopyStream()
+    index, want = _four_steps_on_their_way(tmp_path, stream)
     assert [s["rows"] for s in index["shards"]] == [6, 2]
     assert np.array_equal(read_site(tmp_path, index, "a")["values"], want.numpy())
     assert stream.waits == 2  # one wait per shard
@@ -310,15 +317,6 @@ def test_each_shard_waits_for_its_own_copy_while_another_writer_runs_the_copies(
     when it is written. Regression: the first test stream let the tail's writer return
     while the other writer was still running the tail's copy (CI wrote the tail as
     zeros; with the slow copy it failed about one attempt in four)."""
-    import torch
-
-    stream, sink = CopyStream(slow={3: 0.05}), SinkWriter(tmp_path, shard_rows=6)
-    want = torch.arange(24, dtype=torch.float32).reshape(8, 3) + attempt
-    for i in range(4):
-        chunk = torch.zeros(2, 3)
-        ready = stream.event(chunk, want[2 * i:2 * i + 2])
-        sink.put_runs(np.zeros(2), np.arange(2 * i, 2 * i + 2), np.zeros(2),
-                      [("a", 2, [chunk])], ready)
-    index = sink.close()
+    index, want = _four_steps_on_their_way(tmp_path, CopyStream(slow={3: 0.05}), attempt)
     assert [s["rows"] for s in index["shards"]] == [6, 2]
     assert np.array_equal(read_site(tmp_path, index, "a")["values"], want.numpy())

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphtap.spec import normalise, parse_spec
-from graphtap.spec.limits import DTYPE_BYTES, SizePlan, check_response_size
+from graphtap.spec.limits import DTYPE_BYTES, SizePlan
 from graphtap.spec.positions import rule_count, rule_keys
 from graphtap.spec.sites import KV_HEAD_KINDS, RESID_KINDS
 from spec_strategies import valid_specs
@@ -71,4 +71,3 @@ def test_the_plan_counts_and_refuses_as_the_entry_passes_did(raw, prompt_len, ma
             plan.check(prompt_len, max_tokens)
     else:
         assert plan.check(prompt_len, max_tokens) == size
-        assert check_response_size(spec, prompt_len, max_tokens, shape) == size

@@ -79,9 +79,9 @@ class CaptureStep(LabelledStep):
                 return failed  # every row went to the sink (a harvest's steps)
             if self.rows_ready is not None:
                 self.rows_ready.synchronize()  # other requests' rows rode the sink's stream
-            if keep is None and min(int(self.count[0]), self.rows.shape[0]) <= self.small_rows:
-                return self._split_small()
-            return {**self._split(keep), **failed}
+            small = keep is None and \
+                min(int(self.count[0]), self.rows.shape[0]) <= self.small_rows
+            return {**(self._split_small() if small else self._split(keep)), **failed}
         finally:
             if self.staged is not None:  # the block goes back once the views are written
                 self.sink.writer.settle(self.staged, handed)

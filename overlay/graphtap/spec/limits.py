@@ -76,7 +76,3 @@ class SizePlan:
                              f"per request (hook_config.max_response_bytes)")
         return size
 
-
-def check_response_size(spec: NormalisedSpec, prompt_len: int, max_tokens: int, shape) -> int:
-    """SizePlan(spec, shape).check: the request's byte estimate, or a ValueError."""
-    return SizePlan(spec, shape).check(prompt_len, max_tokens)
