@@ -210,13 +210,17 @@ def test_steps_that_capture_nothing_route_nothing():
 
 
 def test_the_want_table_matches_the_loop():
-    """Random batches: the vectorised table (one numpy pass per step) gives each batch
-    row the bound the per-request loop does, and their total."""
+    """Random batches: the table (one numpy pass per step, or plain Python for a few
+    requests of few runs) gives each batch row the bound the per-request loop does, and
+    their total; both of its paths are taken and agree."""
     from graphtap.engine.wanted import WantTable, Wants, rows_in_step
 
     rng = np.random.default_rng(0)
-    rules = ["last_prompt", "prompt", "all", "generated", [3, 7], {"start": 2, "end": 9}]
-    for _ in range(200):
+    # the last rule has more runs than the plain-Python path takes (PLAIN_RUNS)
+    rules = ["last_prompt", "prompt", "all", "generated", [3, 7], {"start": 2, "end": 9},
+             list(range(1, 40, 2))]
+    paths = {"plain": 0, "numpy": 0}
+    for _ in range(400):
         n = int(rng.integers(1, 12))
         slots = rng.permutation(16)[:n]
         wants = {}
@@ -244,6 +248,14 @@ def test_the_want_table_matches_the_loop():
         for i, _, r in loop:
             per_row[i] = r
         assert table.rows(batch).tolist() == per_row.tolist()
+        small = table._small_rows(batch)  # the plain-Python path, where it applies
+        paths["plain" if small is not None else "numpy"] += 1
+        if small is not None:
+            assert small == per_row.tolist()
+            table._plain.clear()  # the numpy pass alone gives the same
+            table._many_runs.update(table._by_slot)
+            assert table.rows(batch).tolist() == per_row.tolist()
+    assert min(paths.values()) > 100, paths
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it():

@@ -12,6 +12,11 @@ import numpy as np
 from graphtap.spec.positions import position_runs, runs_count
 
 
+# WantTable's plain-Python path: batches of at most PLAIN_BATCH requests whose rules
+# have at most PLAIN_RUNS runs each
+PLAIN_BATCH, PLAIN_RUNS = 16, 8
+
+
 class Wants:
     """A request's wanted positions, one set of runs per distinct position rule, each
     with the rows a wanted token yields (entries using the rule; heads, for patterns)."""
@@ -51,25 +56,47 @@ class WantTable:
         # slot -> (runs of each rule: start, end, rows per token; Wants.end)
         self._by_slot: dict[int, tuple[list[tuple[np.ndarray, np.ndarray, int]], int]] = {}
         self._flat: tuple[np.ndarray, ...] | None = None
+        # slot -> (rules as (run starts, run ends, rows per token) in plain ints, Wants.end)
+        # for requests of few runs; slots with many runs (scattered positions) are not
+        # here and send their batches through the numpy pass
+        self._plain: dict[int, tuple[list[tuple[list, list, int]], int]] = {}
+        self._many_runs: set[int] = set()
 
     def set(self, slot: int, wants: Wants) -> None:
-        self._by_slot[slot] = ([(*runs, per) for runs, per in wants._by_rule.values()],
-                               wants.end)
+        rules = [(*runs, per) for runs, per in wants._by_rule.values()]
+        self._by_slot[slot] = (rules, wants.end)
         self._flat = None
+        self.drop_plain(slot)
+        if sum(len(starts) for starts, _, _ in rules) <= PLAIN_RUNS:
+            self._plain[slot] = ([(s.tolist(), e.tolist(), per) for s, e, per in rules],
+                                 wants.end)
+        else:
+            self._many_runs.add(slot)
 
     def drop(self, slot: int) -> None:
+        self.drop_plain(slot)
         if self._by_slot.pop(slot, None) is not None:
             self._flat = None
+
+    def drop_plain(self, slot: int) -> None:
+        self._plain.pop(slot, None)
+        self._many_runs.discard(slot)
 
     def bound(self, input_batch) -> int | None:
         """rows_in_step's total for the batch, or None without a host view of positions
         (the caller's loop handles that)."""
+        small = self._small_rows(input_batch)
+        if small is not None:
+            return sum(small)
         rows = self.rows(input_batch)
         return None if rows is None else int(rows.sum())
 
     def rows(self, input_batch) -> np.ndarray | None:
         """rows_in_step's bound per batch row (int64 [num_reqs]), or None without a host
         view of positions."""
+        small = self._small_rows(input_batch)
+        if small is not None:
+            return np.array(small, np.int64)
         w = batch_windows(input_batch)
         if w is None:
             return None
@@ -93,6 +120,37 @@ class WantTable:
         counts = np.bincount(rule, np.maximum(overlap, 0), minlength=len(rule_slot))
         by_rule = np.minimum(counts, tok_s[rule_slot]) * per
         return np.bincount(rule_slot, by_rule, minlength=size)[slots].astype(np.int64)
+
+    def _small_rows(self, input_batch) -> list[int] | None:
+        """rows() in plain Python for a batch of at most PLAIN_BATCH requests whose rules
+        have few runs (a burst's first steps: one request's prompt), None otherwise: the
+        numpy pass and the table's rebuild after an admission cost ~15 numpy calls, more
+        than this loop over a few requests' runs (benchmarks/cpu: test_want_bound)."""
+        n = len(input_batch.req_ids)
+        computed = getattr(input_batch, "num_computed_tokens_np", None)
+        slots = getattr(input_batch, "idx_mapping_np", None)
+        if n > PLAIN_BATCH or computed is None or slots is None:
+            return None
+        slots = slots[:n].tolist()
+        if self._many_runs and not self._many_runs.isdisjoint(slots):
+            return None
+        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+        drafts = drafts[:n].tolist() if drafts is not None else [0] * n
+        out, max_len = [], self._max_len
+        for slot, done, tokens, slack in zip(slots, computed[:n].tolist(),
+                                             np.asarray(input_batch.num_scheduled_tokens[:n]).tolist(),
+                                             drafts):
+            wants = self._plain.get(slot)
+            lo = max(done - slack, 0)
+            if wants is None or lo >= wants[1]:
+                out.append(0)
+                continue
+            hi, rows = min(done + tokens, max_len), 0
+            for starts, ends, per in wants[0]:
+                count = sum(max(min(e, hi) - max(s, lo), 0) for s, e in zip(starts, ends))
+                rows += per * min(count, tokens)
+            out.append(rows)
+        return out
 
     def _table(self) -> tuple[np.ndarray, ...]:
         """(run starts, run ends, each run's rule, each rule's slot, each rule's rows per

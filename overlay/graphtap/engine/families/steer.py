@@ -38,6 +38,8 @@ class SteerFamily(FamilyBase):
             [(s.condition.key, s.condition.vector) for s in spec.steer if s.condition]
         # a refilled slot's gates start undecided (off)
         self.slots.reset(slot, f.all, claim=bool(wanted))
+        if not wanted:  # its fields stay inactive: nothing to look up (a capture request)
+            return
         try:
             rows = self.bank.acquire_all(wanted)
         except BankFull as e:  # refuse the request, never raise: the engine would die
@@ -52,9 +54,8 @@ class SteerFamily(FamilyBase):
             pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
             if s.condition is not None:
                 self._write_condition(slot, i, s.condition, next(cond_rows), prompt_len)
-        if wanted:
-            self._keys[req_id] = [key for key, _ in wanted]
-            self._slot_of[req_id] = slot
+        self._keys[req_id] = [key for key, _ in wanted]
+        self._slot_of[req_id] = slot
         if any(s.kind == "attn_z" for s in spec.steer):
             self._heads.add(req_id)
 

@@ -1,0 +1,109 @@
+"""CPU micro-benchmarks of a capturing step's host path (issue 18): what a burst's first
+step (request 0 alone, its prompt) costs graphtap on the host before and after the
+forward, which the engine's next admissions wait for on a GPU server.
+
+Run: `make bench` (or `pytest benchmarks/cpu --benchmark-only`).
+"""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from graphtap.courier.pack import unpack
+from graphtap.engine.families.capture import CaptureFamily
+from graphtap.engine.families.steer import SteerFamily
+from graphtap.engine.families.vectors import VectorBank
+from graphtap.engine.router import TokenRouter
+from graphtap.engine.tables import Sizes, allocate
+from graphtap.engine.wanted import Wants, WantTable
+from graphtap.ops.backend import TORCH
+from graphtap.spec import CaptureEntry, NormalisedSpec
+from graphtap.spec.sites import SiteTable, expand_patterns
+
+H, L, PROMPT = 4096, 2048, 256
+HS = (8, 16, 24)  # hs: Llama-3-8B's resid_post at 3 layers, last prompt token
+
+
+def batch(reqs: int, tokens: int, computed: int):
+    """A step's host view as vLLM's V2 input batch gives it (no drafts)."""
+    n = reqs * tokens
+    qsl = np.arange(0, n + 1, tokens, dtype=np.int32)
+    return SimpleNamespace(
+        req_ids=[f"r{i}" for i in range(reqs)], num_reqs=reqs, num_tokens=n,
+        num_tokens_after_padding=n, query_start_loc_np=qsl,
+        query_start_loc=torch.from_numpy(qsl), idx_mapping=torch.arange(reqs, dtype=torch.int32),
+        idx_mapping_np=np.arange(reqs, dtype=np.int32),
+        num_computed_tokens_np=np.full(reqs, computed, np.int32),
+        num_scheduled_tokens=np.full(reqs, tokens, np.int32),
+        positions=torch.arange(n) % tokens + computed, input_ids=torch.zeros(n, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("reqs", [1, 8, 16, 64])
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_want_bound(benchmark, reqs, step):
+    """A row family's step plan (WantTable.bound) in the step after an admission (its
+    arrays rebuilt): every request of the batch captures 3 sites at its last prompt
+    token; prefill: each request's 256-token prompt, decode: one token past it. Up to
+    16 requests the bound is computed in plain Python, beyond in one numpy pass."""
+    table = WantTable(L)
+    for slot in range(reqs):
+        wants = Wants(L)
+        wants.add("last_prompt", PROMPT, len(HS))
+        table.set(slot, wants)
+    b = batch(reqs, PROMPT, 0) if step == "prefill" else batch(reqs, 1, PROMPT + 4)
+
+    def after_admission():
+        table._flat = None
+        return table.bound(b)
+
+    assert benchmark(after_admission) == (reqs * len(HS) if step == "prefill" else 0)
+
+
+class NoRouting:
+    """The device routing, replayed from CUDA graphs on a GPU (a few launches): left
+    out here, where the torch reference would run the routing itself on the CPU; the
+    step's rows and labels stay where the real routing put them before the runs."""
+
+    def route_rows(self, tables, input_batch, max_len) -> None:
+        pass
+
+
+def test_first_capture_step(benchmark):
+    """graphtap's host path of a burst's first step: an hs request (3 last-prompt
+    sites) admitted into the steering and capture families, its slot's staged writes
+    applied, the step planned and its rows' attribution set, the 3 rows snapshot and
+    split into the request's payload, the request removed again."""
+    sites = SiteTable(expand_patterns([f"blocks.{layer}.hook_resid_post" for layer in HS], 32))
+    et = allocate(Sizes(max_reqs=256, max_tokens=2048, max_len=L, num_sites=len(sites),
+                        hidden=H, steer_width=H, dtype=torch.bfloat16, max_steers=8,
+                        max_vectors=64, max_captures=16, capture_rows=3 * 2048,
+                        capture_width=H, pattern_rows=16, num_heads=32, patterns=False),
+                  TORCH, torch.device("cpu"))
+    steer = SteerFamily(et, sites, VectorBank(et.ops.steer))
+    cap = CaptureFamily(et.ops.capture, et.capture, et.slots, widths={"resid_post": (H, 0)},
+                        backend=TORCH, sites=sites, max_len=L, model_dtype=torch.bfloat16)
+    spec = NormalisedSpec(capture=tuple(
+        CaptureEntry(layer, "resid_post", f"blocks.{layer}.hook_resid_post", "model", None,
+                     "last_prompt") for layer in HS))
+    b = batch(1, PROMPT, 0)
+
+    def step(router=NoRouting()):
+        for family in (steer, cap):
+            family.add_request(0, "r0", PROMPT, spec)
+        et.slots.apply()
+        steer.apply_staged_writes()
+        plan = cap.plan(b)
+        assert not steer.plan(b)
+        cap.route(b, router, plan)
+        out = cap.snapshot().per_request()
+        for family in (steer, cap):
+            family.remove_request("r0")
+        et.slots.apply()
+        return out
+
+    router = TokenRouter(et.ops)
+    router.route(b)
+    assert list(step(router)) == ["r0"]  # labels the 3 rows as the device does
+    out = benchmark(step)
+    assert unpack(out["r0"])["blocks.16.hook_resid_post"].shape == (1, H)
