@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from graphtap.courier import StepSnapshots
 from graphtap.courier.chunks import ERROR, HELD, error_message
 from graphtap.courier.held import Ending, StepBatch
@@ -293,3 +295,46 @@ def test_the_one_pass_plan_agrees_with_the_want_table():
         shortcuts += fast is RING_STEP or fast == 0
         assert fast == slow or (fast is RING_STEP and slow == 0), (trial, fast, slow)
     assert shortcuts > 30
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, R - 1),
+                              st.sampled_from(["probe", "every_step", "plain", "remove",
+                                               "apply"])), max_size=25))
+def test_the_device_block_follows_probe_and_plain_requests(ops):
+    """Probe requests (the ring writes where each one's ring starts), probe requests
+    whose rows go home every step (taken off the ring), plain requests and removals,
+    in any order over a few slots: after every staged write the device block equals
+    the host's, a slot without a probe request holds every field's inactive value
+    (ring_from: never), and a plain request on a slot known inactive stages nothing."""
+    e = Engine()
+    fam, slots = e.fam, e.et.slots
+    inactive = slots.host[0].copy()
+    spec = normalise(parse_spec({"probe": [{"site": SITE, "weights": W.tolist(),
+                                            "positions": "all"}]}), SHAPE)
+    live: dict[int, str] = {}  # slot -> its request, if any
+    probing: set[int] = set()
+    for n, (slot, op) in enumerate(ops):
+        if op == "apply":
+            slots.apply()
+            assert np.array_equal(slots.gpu.numpy(), slots.host)
+            continue
+        if slot in live:
+            fam.remove_request(live.pop(slot))
+            probing.discard(slot)
+        staged = set(slots._dirty)
+        if op in ("probe", "every_step"):
+            live[slot] = f"r{n}"
+            fam.add_request(slot, f"r{n}", 5, spec)
+            fam.hold(f"r{n}", Ending(frozenset({7}), cap=L, every_step=op == "every_step"))
+            probing.add(slot)
+            assert fam.ring.holds(f"r{n}") == (op == "probe")
+        elif op == "plain":
+            live[slot] = f"r{n}"
+            fam.add_request(slot, f"r{n}", 5, normalise(parse_spec({}), SHAPE))
+            assert slots._dirty == staged  # removed before, or never used: inactive
+        for s in range(R):
+            if s not in probing:
+                assert np.array_equal(slots.host[s], inactive)
+    slots.apply()
+    assert np.array_equal(slots.gpu.numpy(), slots.host)

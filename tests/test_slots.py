@@ -41,7 +41,7 @@ def test_reset_restores_only_its_fields(specs, data):
     for _ in range(2):  # the second time from the remembered row
         block.host[:] = before
         block._dirty.clear()
-        block.reset(slot, chosen)
+        block.reset(slot, block.group(chosen))
         np.testing.assert_array_equal(block.host, expected)
         assert block._dirty == {slot}
 
@@ -70,7 +70,8 @@ def test_claims_and_releases_keep_the_device_equal_to_the_host(ops):
             assert np.array_equal(block.gpu.numpy(), block.host)
             continue
         staged = set(block._dirty)
-        block.reset(slot, fields, {"claim": True, "release": False, "rewrite": None}[op])
+        claim = {"claim": True, "release": False, "rewrite": None}[op]
+        block.reset(slot, block.group(fields), claim)
         if op == "release":
             assert np.array_equal(block.host[slot], inactive)
             if known_inactive[slot]:
@@ -92,18 +93,18 @@ def test_a_plain_request_stages_no_row_where_the_slot_is_inactive():
     layout = SlotLayout()
     f = layout.reserve((3,), torch.int32, -1.0)
     block = SlotBlock(layout, slots=2, device=torch.device("cpu"))
-    block.reset(1, [f], claim=False)
+    block.reset(1, block.group([f]), claim=False)
     assert not block._dirty  # never used: nothing to write
-    block.reset(1, [f], claim=True)
+    block.reset(1, block.group([f]), claim=True)
     block.host_view(f)[1] = (4, 5, 6)
     assert block._dirty == {1}
     block.apply()
-    block.reset(1, [f], claim=False)
+    block.reset(1, block.group([f]), claim=False)
     assert block._dirty == {1} and block.host_view(f)[1].tolist() == [-1, -1, -1]
     block.apply()
-    block.reset(1, [f], claim=False)
+    block.reset(1, block.group([f]), claim=False)
     assert not block._dirty
-    block.reset(1, [f], claim=None)
+    block.reset(1, block.group([f]), claim=None)
     assert block._dirty == {1}
     block.apply()
     assert block.gpu.tolist() == block.host.tolist() == [[-1, -1, -1]] * 2

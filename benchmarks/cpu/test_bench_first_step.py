@@ -4,7 +4,7 @@ forward, which the engine's next admissions wait for on a GPU server.
 
 Run: `make bench` (or `pytest benchmarks/cpu --benchmark-only`).
 """
-from types import SimpleNamespace
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -29,7 +29,7 @@ def batch(reqs: int, tokens: int, computed: int):
     """A step's host view as vLLM's V2 input batch gives it (no drafts)."""
     n = reqs * tokens
     qsl = np.arange(0, n + 1, tokens, dtype=np.int32)
-    return SimpleNamespace(
+    return NS(
         req_ids=[f"r{i}" for i in range(reqs)], num_reqs=reqs, num_tokens=n,
         num_tokens_after_padding=n, query_start_loc_np=qsl,
         query_start_loc=torch.from_numpy(qsl), idx_mapping=torch.arange(reqs, dtype=torch.int32),
@@ -107,3 +107,60 @@ def test_first_capture_step(benchmark):
     assert list(step(router)) == ["r0"]  # labels the 3 rows as the device does
     out = benchmark(step)
     assert unpack(out["r0"])["blocks.16.hook_resid_post"].shape == (1, H)
+
+
+def engine_hooks():
+    """The worker's hook manager as the runner builds it (every family a default
+    hook_config makes: steering, captures, probes), for a Llama-3-8B shape on CPU
+    tables, with the benchmark's sites (a steering layer, hs's 3, qk's 4 layers x q, k),
+    and the frontend that turns a request's hooks into their wire form."""
+    from graphtap.config import load_hook_config
+    from graphtap.engine.manager import EngineHooks
+    from graphtap.frontend import GraphtapFrontend
+
+    sites = sorted({f"blocks.{layer}.hook_resid_post" for layer in (*HS, 16)} |
+                   {f"blocks.{layer}.attn.hook_{k}" for layer in (4, 8, 16, 24) for k in "qk"})
+    mc = NS(hf_text_config=NS(num_hidden_layers=32), get_hidden_size=lambda: H,
+            dtype=torch.bfloat16, max_model_len=L, get_head_size=lambda: 128,
+            architectures=["LlamaForCausalLM"],
+            model_arch_config=NS(total_num_attention_heads=32), get_total_num_kv_heads=lambda: 8)
+    hook_config = {"sites": sites, "max_captures": 16, "capture_rows": 3 * 2048}
+    cfg = NS(model_config=mc, scheduler_config=NS(max_num_seqs=256, max_num_batched_tokens=2048),
+             compilation_config=NS(max_cudagraph_capture_size=512),
+             parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                data_parallel_size=1, _api_process_count=1),
+             speculative_config=None, device_config=NS(device_type="cpu"),
+             additional_config={"hook_config": hook_config})
+    return EngineHooks(cfg, None, "cpu"), \
+        GraphtapFrontend.for_engine(cfg, load_hook_config(hook_config))
+
+
+@pytest.mark.parametrize("mode", ["plain", "hs"])
+def test_admission_step(benchmark, mode):
+    """The worker's part of a burst's admission step: 32 requests added to the hook
+    manager (every family) and the step's staged writes applied (then removed again,
+    untimed). plain: requests without hooks; hs: 3 last-prompt residual captures. Per
+    request: the figure / 32; the difference is what a capturing request's first token
+    waits for beyond a plain one's."""
+    from vllm import SamplingParams
+
+    manager, frontend = engine_hooks()
+    params = SamplingParams(max_tokens=8, hooks={"capture": [
+        {"site": f"blocks.{layer}.hook_resid_post", "positions": "last_prompt"}
+        for layer in HS]} if mode == "hs" else None)
+    frontend.process_request("x", params, None, PROMPT)  # its wire form, as the engine gets it
+    reqs = [NS(req_id=f"r{i}", prompt_len=PROMPT, sampling_params=params) for i in range(32)]
+
+    def admit():
+        for i, r in enumerate(reqs):
+            manager.add_request(i, r)
+        manager.apply_staged_writes()
+
+    def removed():
+        for r in reqs:
+            manager.remove_request(r.req_id)
+        manager.apply_staged_writes()
+        return (), {}
+
+    benchmark.pedantic(admit, setup=removed, rounds=200)
+    assert manager.stats()["capture"]["requests"] == (32 if mode == "hs" else 0)

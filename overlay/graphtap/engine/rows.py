@@ -9,6 +9,9 @@ recomputation after preemption capture what really ran.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from graphtap.courier import LabelledStep, OverflowKind, StepRows
@@ -21,6 +24,19 @@ from graphtap.ops.tables import Label, RowTables
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import runs_bitmap
 from graphtap.spec.sites import SiteTable
+
+
+PLANS = 256  # EntryPlans a family remembers (distinct entries of recent requests)
+
+
+class EntryPlan(NamedTuple):
+    """What a request's entries of one family make whatever the request: per entry its
+    site id, per site its output format (shared by the requests, never changed), per
+    position rule (rule, rows a wanted token yields, the entries using it)."""
+
+    sites: list[int]
+    formats: dict
+    rules: list[tuple[object, int, list[int]]]
 
 
 class RowFamily(FamilyBase):
@@ -48,6 +64,10 @@ class RowFamily(FamilyBase):
         # (slot -> req_id, row bound, positions end, rows summed over ranks) of the step
         self._step: tuple | None = None
         self._idle = True
+        self._host_views: tuple[np.ndarray, np.ndarray] | None = None
+        self._reset_group = None  # reset_slot's fields (extra_fields: subclasses' own)
+        self._plans: dict[tuple, EntryPlan] = {}  # entries -> their plan (_entry_plan)
+        self._writes_extra = type(self).write_extra is not RowFamily.write_extra
         if backend.name != "torch":  # compile the routing kernels now, at start
             sentinel = torch.full((1,), tables.entry_site.shape[0] - 1,
                                   device=tables.buf.device)
@@ -72,6 +92,10 @@ class RowFamily(FamilyBase):
     def write_extra(self, slot: int, i: int, entry) -> None:
         """Fields beyond site and positions (patterns: the chosen heads)."""
 
+    # Whether a request's entries may key the family's remembered EntryPlans (hashing
+    # them is cheap: not a probe's, which hold their weights).
+    remember_plans = True
+
     def columns(self, slots, hi: int) -> int | None:
         """Buffer columns the step's rows can use (slots: the batch's requests with
         entries; hi: past the step's last position); None: all."""
@@ -87,28 +111,65 @@ class RowFamily(FamilyBase):
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
         self.remove_request(req_id)
-        f = self.fields
         entries = self.entries(spec)
         self.reset_slot(slot, claim=bool(entries))
         self._table.drop(slot)
-        site, pos = self.slots.host_view(f.site)[slot], self.slots.host_view(f.pos)[slot]
-        formats, wanted, bitmaps = {}, Wants(self.max_len), {}
+        if not entries:  # the slot stays inactive: nothing to write (a plain request)
+            return
+        # A burst's admission step runs this for each of its requests before the forward
+        # (every one's first token waits for it): what the entries make whatever the
+        # request is made once per distinct entries, and each position rule's runs and
+        # bitmap once for the entries sharing it (benchmarks/cpu: test_first_capture_step)
+        plan = self._entry_plan(entries)
+        wanted = Wants(self.max_len)
+        site, pos = self._views()
+        site[slot, :len(plan.sites)] = plan.sites
+        for rule, per_token, at in plan.rules:
+            bitmap = runs_bitmap(wanted.add(rule, prompt_len, per_token), pos.shape[2])
+            if len(at) == len(plan.sites):  # entries mostly share one rule: one assignment
+                pos[slot, :len(at)] = bitmap
+            else:
+                pos[slot, at] = bitmap
+        if self._writes_extra:
+            for i, entry in enumerate(entries):
+                self.write_extra(slot, i, entry)
+        self._formats[slot] = plan.formats
+        self._slot_of[req_id] = slot
+        self._wanted[req_id] = wanted
+        self._table.set(slot, wanted)
+
+    def _entry_plan(self, entries: tuple) -> EntryPlan:
+        """The entries' EntryPlan, remembered per entries (frozen, hashable: a guard's or
+        a harvest's entries are the same in every request) where the family says they
+        hash cheaply (probe entries hold their weights)."""
+        if not self.remember_plans:
+            return self._make_plan(entries)
+        plan = self._plans.get(entries)
+        if plan is None:
+            plan = self._plans[entries] = self._make_plan(entries)
+            if len(self._plans) > PLANS:
+                del self._plans[next(iter(self._plans))]  # the oldest
+        return plan
+
+    def _make_plan(self, entries: tuple) -> EntryPlan:
+        sites, formats, rules = [], {}, {}
         for i, entry in enumerate(entries):
             sid = self.sites.id_of(entry.layer, self.kind_of(entry))
-            dtype = self.model_dtype if entry.dtype == "model" else torch.float32
-            site[i] = sid
-            formats[sid], per_token = self.describe(entry, dtype)
-            runs = wanted.add(entry.positions, prompt_len, per_token)
-            rule = repr(entry.positions)  # entries mostly share one rule: one bitmap
-            if rule not in bitmaps:
-                bitmaps[rule] = runs_bitmap(runs, pos.shape[1])
-            pos[i] = bitmaps[rule]
-            self.write_extra(slot, i, entry)
-        if entries:
-            self._formats[slot] = formats
-            self._slot_of[req_id] = slot
-            self._wanted[req_id] = wanted
-            self._table.set(slot, wanted)
+            sites.append(sid)
+            formats[sid], per_token = self.describe(
+                entry, self.model_dtype if entry.dtype == "model" else torch.float32)
+            rule = rules.setdefault(repr(entry.positions), [entry.positions, 0, []])
+            rule[1] += per_token
+            rule[2].append(i)
+        return EntryPlan(sites, formats, [tuple(r) for r in rules.values()])
+
+    def _views(self) -> tuple[np.ndarray, np.ndarray]:
+        """The host mirror's site and position fields (views of a block that never
+        moves: made once, ~1 us a request each time)."""
+        if self._host_views is None:
+            view = self.slots.host_view
+            self._host_views = view(self.fields.site), view(self.fields.pos)
+        return self._host_views
 
     def remove_request(self, req_id: str) -> None:
         if req_id in self._slot_of:
@@ -119,14 +180,12 @@ class RowFamily(FamilyBase):
             self._table.drop(slot)
             self.reset_slot(slot, claim=False)  # inactive again (with the next staged writes)
 
-    # Whether the slot block may skip resetting a slot known inactive (SlotBlock.reset):
-    # not where the family writes its fields outside add_request (the probe ring).
-    skip_clean_resets = True
-
     def reset_slot(self, slot: int, claim: bool | None = None) -> None:
-        f = self.fields
-        self.slots.reset(slot, [x for x in (f.site, f.pos, f.heads, *self.extra_fields)
-                                if x is not None], claim if self.skip_clean_resets else None)
+        if self._reset_group is None:
+            f = self.fields
+            self._reset_group = self.slots.group(
+                [x for x in (f.site, f.pos, f.heads, *self.extra_fields) if x is not None])
+        self.slots.reset(slot, self._reset_group, claim)
 
     def stats(self) -> dict:
         return {"requests": len(self._slot_of),

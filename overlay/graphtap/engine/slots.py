@@ -62,6 +62,16 @@ class SlotLayout:
         return field
 
 
+@dataclass(frozen=True)
+class FieldGroup:
+    """Fields reset together (SlotBlock.group): their columns as (slice, inactive values)
+    runs, and per slot 1 where they are known inactive on the host and on the device
+    once the staged writes ran (reset with claim False)."""
+
+    runs: list[tuple[slice, np.ndarray]]
+    clean: bytearray
+
+
 class SlotBlock:
     """The block itself: its device tensor, the host mirror, the rows to write."""
 
@@ -73,9 +83,7 @@ class SlotBlock:
             self.host_view(f)[:] = f.fill
         self.gpu = torch.from_numpy(self.host.copy()).to(device)
         self._dirty: set[int] = set()
-        self._resets: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
-        # per field list, the slots whose fields are known inactive (reset, claim False)
-        self._clean: dict[tuple[int, ...], np.ndarray] = {}
+        self._groups: dict[tuple[int, ...], FieldGroup] = {}  # by the fields' offsets
 
     def view(self, f: SlotField) -> torch.Tensor:
         """The device view of a field: [slots, *shape], strides (block width, ...)."""
@@ -85,36 +93,44 @@ class SlotBlock:
     def host_view(self, f: SlotField) -> np.ndarray:
         return _field_view(self.host, f)
 
-    def reset(self, slot: int, fields: list[SlotField], claim: bool | None = None) -> None:
-        """A slot's fields back to inactive (a family rewrites its whole row per request,
-        so a reused slot inherits nothing): one assignment of the fields' columns from
-        their inactive row, made once per field list. `claim`: True, the family writes
+    def group(self, fields: list[SlotField]) -> FieldGroup:
+        """The fields a family resets together, made once (the same object for the same
+        fields: one account of which slots hold them inactive)."""
+        key = tuple(f.offset for f in fields)
+        if key not in self._groups:
+            row = np.zeros((1, self.host.shape[1]), dtype=np.int32)
+            for f in fields:
+                _field_view(row, f)[0] = f.fill
+            cols = sorted({c for f in fields for c in range(f.offset, f.offset + f.size)})
+            # the columns as runs (fields reserved one after another are one slice)
+            runs, first = [], 0
+            for i in range(1, len(cols) + 1):
+                if i == len(cols) or cols[i] != cols[i - 1] + 1:
+                    lo, hi = cols[first], cols[i - 1] + 1
+                    runs.append((slice(lo, hi), row[0, lo:hi].copy()))
+                    first = i
+            # every slot starts inactive
+            self._groups[key] = FieldGroup(runs, bytearray(b"\x01" * self.host.shape[0]))
+        return self._groups[key]
+
+    def reset(self, slot: int, group: FieldGroup, claim: bool | None = None) -> None:
+        """A slot's fields (a group) back to inactive (a family rewrites its whole row per
+        request, so a reused slot inherits nothing). `claim`: True, the family writes
         the slot's entries next (staged either way); False, the request holds none of
         them: nothing to do where the fields are inactive already, on the host and on
         the device once the staged writes ran (most families of most requests: a plain
         request went through every family's reset, ~70 us of its admission on the H200
-        host); None, rewritten and staged whatever they hold (a family that writes them
-        elsewhere too: the probe ring). The ops write nothing of an inactive slot."""
-        key = tuple(f.offset for f in fields)
-        clean = self._clean.get(key)
-        if clean is None:  # every slot starts inactive
-            clean = self._clean[key] = np.ones(self.host.shape[0], dtype=bool)
+        host); None, rewritten and staged whatever they hold. The ops write nothing of
+        an inactive slot."""
+        clean = group.clean
         if claim is False and clean[slot]:
             return
         if not (claim and clean[slot]):
-            cols, values = self._resets.get(key) or self._reset_row(key, fields)
-            self.host[slot, cols] = values
+            host = self.host[slot]
+            for cols, values in group.runs:
+                host[cols] = values
         self._dirty.add(slot)
         clean[slot] = claim is False
-
-    def _reset_row(self, key: tuple[int, ...], fields: list[SlotField]):
-        row = np.zeros((1, self.host.shape[1]), dtype=np.int32)
-        for f in fields:
-            _field_view(row, f)[0] = f.fill
-        cols = np.concatenate([np.arange(f.offset, f.offset + f.size) for f in fields]) \
-            if fields else np.zeros(0, np.int64)
-        self._resets[key] = cols, row[0, cols]
-        return self._resets[key]
 
     def stage(self, slot: int) -> None:
         self._dirty.add(slot)

@@ -137,9 +137,8 @@ class WantTable:
         drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
         drafts = drafts[:n].tolist() if drafts is not None else [0] * n
         out, max_len = [], self._max_len
-        for slot, done, tokens, slack in zip(slots, computed[:n].tolist(),
-                                             np.asarray(input_batch.num_scheduled_tokens[:n]).tolist(),
-                                             drafts):
+        scheduled = np.asarray(input_batch.num_scheduled_tokens[:n]).tolist()
+        for slot, done, tokens, slack in zip(slots, computed[:n].tolist(), scheduled, drafts):
             wants = self._plain.get(slot)
             lo = max(done - slack, 0)
             if wants is None or lo >= wants[1]:

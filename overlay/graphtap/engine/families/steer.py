@@ -29,6 +29,7 @@ class SteerFamily(FamilyBase):
         self._refused: dict[str, str] = {}  # req_id -> why, until the next step reports it
         self._slot_of: dict[str, int] = {}
         self._heads: set[str] = set()  # requests that steer heads at attn.hook_z
+        self._fields = self.slots.group(self.fields.all)  # reset together
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
@@ -37,7 +38,7 @@ class SteerFamily(FamilyBase):
         wanted = [(s.key, s.vector) for s in spec.steer] + \
             [(s.condition.key, s.condition.vector) for s in spec.steer if s.condition]
         # a refilled slot's gates start undecided (off)
-        self.slots.reset(slot, f.all, claim=bool(wanted))
+        self.slots.reset(slot, self._fields, claim=bool(wanted))
         if not wanted:  # its fields stay inactive: nothing to look up (a capture request)
             return
         try:
@@ -76,7 +77,7 @@ class SteerFamily(FamilyBase):
             self.bank.release(key)
         slot = self._slot_of.pop(req_id, None)
         if slot is not None:  # inactive again (written with the next staged writes)
-            self.slots.reset(slot, self.fields.all, claim=False)
+            self.slots.reset(slot, self._fields, claim=False)
 
     def stats(self) -> dict:
         return {"requests": len(self._keys), "vectors_held": self.bank.held(),
