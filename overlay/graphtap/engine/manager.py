@@ -203,10 +203,12 @@ class EngineHooks(HookManager):
             spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
             for family in self.families:
                 family.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, spec)
-            # what may finish it, where its rows or chunks are held until then
+            # what may finish it, where its rows or chunks are held until then (probes:
+            # only a request with probe entries holds its scores)
+            probes = self.probes and bool(spec.probe)
             ending = Ending.of(params, new_req_data.prompt_len, self.max_len) \
-                if params is not None and (self.probes or self.hold is not None) else None
-            if self.probes and ending is not None:
+                if params is not None and (probes or self.hold is not None) else None
+            if probes and ending is not None:
                 self.probe_family.hold(new_req_data.req_id, ending)
             self._guards.pop(new_req_data.req_id, None)
             if self.hold is not None:

@@ -34,7 +34,7 @@ class EntryPlan(NamedTuple):
     site id, per site its output format (shared by the requests, never changed), per
     position rule (rule, rows a wanted token yields, the entries using it)."""
 
-    sites: list[int]
+    sites: np.ndarray  # int32
     formats: dict
     rules: list[tuple[object, int, list[int]]]
 
@@ -110,7 +110,8 @@ class RowFamily(FamilyBase):
     # ---------------------------------------------------------------- requests
     def add_request(self, slot: int, req_id: str, prompt_len: int,
                     spec: NormalisedSpec) -> None:
-        self.remove_request(req_id)
+        if self.holds(req_id):  # re-added (a subclass that removes it first: not again)
+            self.remove_request(req_id)
         entries = self.entries(spec)
         self.reset_slot(slot, claim=bool(entries))
         self._table.drop(slot)
@@ -161,7 +162,7 @@ class RowFamily(FamilyBase):
             rule = rules.setdefault(repr(entry.positions), [entry.positions, 0, []])
             rule[1] += per_token
             rule[2].append(i)
-        return EntryPlan(sites, formats, [tuple(r) for r in rules.values()])
+        return EntryPlan(np.array(sites, np.int32), formats, [tuple(r) for r in rules.values()])
 
     def _views(self) -> tuple[np.ndarray, np.ndarray]:
         """The host mirror's site and position fields (views of a block that never
