@@ -268,3 +268,69 @@ def test_small_steps_split_in_plain_python_as_the_array_passes_do(data):
         for key in arrays[req]:
             a, b = arrays[req][key], plain[req][key]
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_uniform_steps_split_in_array_passes_as_in_plain_python(data):
+    """A step whose requests all ask the same (same sites, same rows at each, one output
+    format; courier/uniform.py) splits as the plain-Python pass does, rows written
+    site-major or request-major, formats shared or equal; and steps that differ in one
+    request (a site fewer, another position count, another dtype, a request gone, a
+    site large enough to travel alone) go through the general passes, alike too."""
+    from graphtap.courier.pack import SOLO_BYTES, row_bytes
+    from graphtap.courier.rows import ORDER, _pack_format
+    from graphtap.courier.uniform import split_uniform
+
+    width = 16
+    names = {0: "blocks.0.hook_resid_post", 1: "blocks.1.hook_resid_post",
+             2: "blocks.2.attn.hook_q"}
+    slots = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=5, unique=True))
+    sites = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True))
+    n = data.draw(st.sampled_from([1, 2, 3, SOLO_BYTES // (width * 2) + 1]))
+    dtype = data.draw(st.sampled_from([torch.bfloat16, torch.float32]))
+    layout = {s: RowFormat(dtype, width, None, 0) if s < 2 else
+              RowFormat(dtype, width, (2, 3), 4) for s in range(3)}
+    shared = data.draw(st.booleans())
+    formats = {slot: layout if shared else dict(layout) for slot in slots}
+    odd = data.draw(st.sampled_from(["none", "none", "site", "count", "dtype", "gone"]))
+    per_slot = {slot: list(sites) for slot in slots}
+    counts = {slot: n for slot in slots}
+    if odd == "site" and len(sites) > 1:
+        per_slot[slots[-1]] = sites[:-1]
+    elif odd == "count":
+        counts[slots[-1]] = n + 1
+    elif odd == "dtype":
+        formats[slots[-1]] = {s: f._replace(dtype=torch.float16) for s, f in layout.items()}
+    start = data.draw(st.integers(0, 30))
+    groups = [(slot, site) for site in sorted(sites) for slot in slots
+              if site in per_slot[slot]]  # site-major, as the device writes them
+    if data.draw(st.booleans()):
+        groups.sort()  # request-major
+    labels = [(slot, site, start + p) for slot, site in groups for p in range(counts[slot])]
+    live = {s: f"r{s}" for s in slots}
+    if odd == "gone" and len(slots) > 1:
+        del live[slots[-1]]
+    rows = torch.randn(len(labels), width).to(torch.bfloat16)
+    label_t = torch.tensor(labels)
+    out = []
+    for small in (0, 10**6):
+        snap = step(rows, label_t, len(labels), live, formats, names)
+        snap.small_rows = small
+        out.append(snap.per_request())
+    arrays, plain = out
+    assert arrays.keys() == plain.keys()
+    for req in arrays:
+        assert arrays[req].keys() == plain[req].keys(), req
+        for key in arrays[req]:
+            a, b = arrays[req][key], plain[req][key]
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+    snap = step(rows, label_t, len(labels), live, formats, names)
+    sorted_labels, perm = snap.sorted_labels(ORDER)
+    took = split_uniform(snap, sorted_labels, perm, ORDER, _pack_format) is not None
+    # the array path took the uniform passes exactly where every request asks the same
+    # in one pack of two rows or more
+    differs = odd != "none" and len(slots) > 1 and (odd != "site" or len(sites) > 1)
+    packs = {_pack_format(formats[slots[0]][s]) for s in per_slot[slots[0]]}
+    small = max(counts.values()) * row_bytes(next(iter(packs))) < SOLO_BYTES
+    assert took == (not differs and len(packs) == 1 and small and len(labels) > 1)

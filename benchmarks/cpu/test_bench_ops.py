@@ -133,19 +133,19 @@ def step_snapshot(reqs: int, rows_each: int, load: str):
     q at the last token and k at every token, 4 layers, 4 of 8 kv heads (k rows use 512
     of the 4096 columns). The rows arrive narrowed to the columns the step's formats read,
     as the capture family clones them (qk: heads 0-3 of q and k, 512 columns)."""
-    width, formats, names, labels = 4096, {}, {}, []
+    width, layout, names, labels = 4096, {}, {}, []
     sites = 3 if load == "dump" else 8
     for s in range(sites):
         k = load == "qk" and s % 2 == 1
         names[s] = f"blocks.{s}.attn.hook_{'kq'[s % 2 == 0]}" if load == "qk" else \
             f"blocks.{s}.hook_resid_post"
+        layout[s] = RowFormat(torch.bfloat16, width, None, 0) if load == "dump" else \
+            RowFormat(torch.bfloat16, 1024 if k else width, (0, 1, 2, 3), 128)
         for r in range(reqs):
-            formats.setdefault(r, {})[s] = RowFormat(torch.bfloat16, width, None, 0) \
-                if load == "dump" else \
-                RowFormat(torch.bfloat16, 1024 if k else width, (0, 1, 2, 3), 128)
             last = load == "qk" and not k
             labels += [(r, s, p) for p in range(rows_each) if not last or p == rows_each - 1]
-    n, cols = len(labels), max(columns(f) for fs in formats.values() for f in fs.values())
+    formats = dict.fromkeys(range(reqs), layout)  # shared, as by requests of one spec
+    n, cols = len(labels), max(columns(f) for f in layout.values())
     labels = torch.tensor(labels)
     count = torch.cat([torch.tensor([n]), torch.bincount(labels[:, 0], minlength=reqs + 1)])
     return CaptureStep(StepRows(torch.randn(n, cols).to(torch.bfloat16), labels, count,

@@ -16,6 +16,7 @@ from graphtap.courier.pack import (SOLO_BYTES, pack_key, packed_index, ramp, row
 from graphtap.courier.sink import SinkFailed
 from graphtap.courier.sink_labels import SlotRequests
 from graphtap.courier.snapshot import LabelledStep
+from graphtap.courier.uniform import split_uniform
 from graphtap.ops.tables import Label
 
 # plain ints: numpy indexes with them on every step
@@ -100,6 +101,10 @@ class CaptureStep(LabelledStep):
         # 67 MB moved for 8. Per-group copies add up: a decode step of 64 requests x 3
         # sites has 192 groups, and the H200 host was ~50 us per copy.
         labels, perm = self.sorted_labels(ORDER, keep)
+        if keep is None:  # a burst of one spec: one pack per request, in array passes
+            uniform = split_uniform(self, labels, perm, ORDER, _pack_format)
+            if uniform is not None:
+                return uniform
         packs: dict[RowFormat, list[tuple[int, bool, int, int, int, str]]] = {}
         for req, slot, site, start, end, _, _ in self.spans(labels, perm, SLOT, SITE):
             fmt = _pack_format(self.formats[slot][site])
