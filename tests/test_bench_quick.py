@@ -126,6 +126,25 @@ def test_ttft_phases_split_ttft_on_one_clock():
     assert ttft_phases(SimpleNamespace(metrics=SimpleNamespace(queued_ts=0.0)), 1, 2) is None
 
 
+def test_host_phases_are_what_each_run_added():
+    """The hook manager's host time per mode: each run's share of the workers'
+    cumulative counters, the first run (the engine's start) left out."""
+    from benchmarks.gpu.tpot_stats import host_phases
+
+    cumulative = [("warm", 100.0, 10), ("idle", 150.0, 12), ("idle", None, None),
+                  ("hs", 160.0, 15), ("idle", 214.0, 18), ("hs", 222.0, 22),
+                  ("hs", 235.0, 23)]
+    runs = [{"mode": m} if ms is None else  # a run without counters (a stock engine)
+            {"mode": m, "hook_counters": {"host.add_request_wall_ms_total": ms,
+                                          "host.add_request_calls_total": c,
+                                          "ring.steps_total": 5}}
+            for m, ms, c in cumulative]
+    out = host_phases(runs)
+    assert out["idle"] == {"add_request_calls": 2.5, "add_request_ms": 52.0}
+    assert out["hs"] == {"add_request_calls": 3.0, "add_request_ms": 10.0}
+    assert "warm" not in out
+
+
 def test_bootstrap_ci_resamples_repetitions():
     """One repetition gives no interval; repetitions that disagree give a wide one."""
     from benchmarks.gpu.tpot_stats import bootstrap_ci

@@ -22,6 +22,29 @@ def summarise(result: dict, ci: bool = False) -> None:
     engine = paired_overheads(result["runs"], ENGINE, ci)
     if engine:  # launches from before the engine-clock figure have none
         result["summary_overhead_vs_idle_pct_engine"] = engine
+    host = host_phases(result["runs"])
+    if host:  # launches from before the hook manager's host clock have none
+        result["summary_host_ms"] = host
+
+
+def host_phases(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per mode, the hook manager's host time per phase in one run (ms, and calls: the
+    median over runs of what each run added to the workers' cumulative counters,
+    hook_counters' host.<phase>_wall_ms_total / _calls_total). Runs in the order they
+    ran; the first is left out (its counters hold the engine's start too)."""
+    per_mode: dict[str, dict[str, list[float]]] = {}
+    before: dict[str, float] | None = None
+    for r in runs:
+        now = {k[len("host."):]: v for k, v in (r.get("hook_counters") or {}).items()
+               if k.startswith("host.") and k.endswith(("_wall_ms_total", "_calls_total"))}
+        if before is not None and now:
+            mode = per_mode.setdefault(r["mode"], {})
+            for k, v in now.items():
+                name = k.replace("_wall_ms_total", "_ms").replace("_calls_total", "_calls")
+                mode.setdefault(name, []).append(v - before.get(k, 0))
+        before = now or before
+    return {m: {k: round(statistics.median(v), 3) for k, v in sorted(d.items())}
+            for m, d in per_mode.items()}
 
 
 def engine_tpot_ms(out) -> float | None:
