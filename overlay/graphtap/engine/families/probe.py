@@ -36,11 +36,11 @@ class ProbeFamily(RowFamily):
     step_class = CaptureStep
     overflow_kind = OverflowKind.PROBE_ROWS
     host_labels = HOST_LABELS
-    # The ring writes a slot's ring_from outside add_request, yet the slot block may
-    # still skip resetting slots it holds inactive: the ring writes where a slot's
-    # ring starts only for a request with probe entries (a claimed slot), and "never",
-    # the inactive value, otherwise (tests/test_probe_ring.py holds the device to it).
     remember_plans = False  # its entries hold the probes' weights: hashing costs
+    # The ring writes slots' ring_from outside add_request, and resets still skip the
+    # slots the block holds inactive (engine/slots.py): the ring writes a start only
+    # into a claimed slot (a request with probe entries), elsewhere "never", the
+    # inactive value (tests/test_probe_ring.py holds the device to the host).
 
     def __init__(self, tables, fields: ProbeFields, slots, *args, bank: VectorBank,
                  **kwargs):
