@@ -253,7 +253,6 @@ def test_the_want_table_matches_the_loop():
         if small is not None:
             assert small == per_row.tolist()
             table._plain.clear()  # the numpy pass alone gives the same
-            table._many_runs.update(table._by_slot)
             assert table.rows(batch).tolist() == per_row.tolist()
     assert min(paths.values()) > 100, paths
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
+from test_bench_ops import batch as ops_batch
 
 from graphtap.courier.pack import unpack
 from graphtap.engine.families.capture import CaptureFamily
@@ -26,17 +27,14 @@ HS = (8, 16, 24)  # hs: Llama-3-8B's resid_post at 3 layers, last prompt token
 
 
 def batch(reqs: int, tokens: int, computed: int):
-    """A step's host view as vLLM's V2 input batch gives it (no drafts)."""
-    n = reqs * tokens
-    qsl = np.arange(0, n + 1, tokens, dtype=np.int32)
-    return NS(
-        req_ids=[f"r{i}" for i in range(reqs)], num_reqs=reqs, num_tokens=n,
-        num_tokens_after_padding=n, query_start_loc_np=qsl,
-        query_start_loc=torch.from_numpy(qsl), idx_mapping=torch.arange(reqs, dtype=torch.int32),
-        idx_mapping_np=np.arange(reqs, dtype=np.int32),
-        num_computed_tokens_np=np.full(reqs, computed, np.int32),
-        num_scheduled_tokens=np.full(reqs, tokens, np.int32),
-        positions=torch.arange(n) % tokens + computed, input_ids=torch.zeros(n, dtype=torch.int64))
+    """test_bench_ops' step batch with the host view of positions vLLM's V2 input batch
+    gives (no drafts): `computed` tokens of each request before the step."""
+    b = ops_batch(reqs, tokens)
+    b.idx_mapping_np = b.idx_mapping.numpy()
+    b.num_computed_tokens_np = np.full(reqs, computed, np.int32)
+    b.positions = torch.arange(b.num_tokens) % tokens + computed
+    b.input_ids = torch.zeros(b.num_tokens, dtype=torch.int64)
+    return b
 
 
 @pytest.mark.parametrize("reqs", [1, 8, 16, 64])

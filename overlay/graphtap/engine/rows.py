@@ -64,7 +64,8 @@ class RowFamily(FamilyBase):
         # (slot -> req_id, row bound, positions end, rows summed over ranks) of the step
         self._step: tuple | None = None
         self._idle = True
-        self._host_views: tuple[np.ndarray, np.ndarray] | None = None
+        # the host mirror's site and position fields (views of a block that never moves)
+        self._site, self._pos = slots.host_view(fields.site), slots.host_view(fields.pos)
         self._reset_group = None  # reset_slot's fields (extra_fields: subclasses' own)
         self._plans: dict[tuple, EntryPlan] = {}  # entries -> their plan (_entry_plan)
         self._writes_extra = type(self).write_extra is not RowFamily.write_extra
@@ -123,7 +124,7 @@ class RowFamily(FamilyBase):
         # bitmap once for the entries sharing it (benchmarks/cpu: test_first_capture_step)
         plan = self._entry_plan(entries)
         wanted = Wants(self.max_len)
-        site, pos = self._views()
+        site, pos = self._site, self._pos
         site[slot, :len(plan.sites)] = plan.sites
         for rule, per_token, at in plan.rules:
             bitmap = runs_bitmap(wanted.add(rule, prompt_len, per_token), pos.shape[2])
@@ -163,14 +164,6 @@ class RowFamily(FamilyBase):
             rule[1] += per_token
             rule[2].append(i)
         return EntryPlan(np.array(sites, np.int32), formats, [tuple(r) for r in rules.values()])
-
-    def _views(self) -> tuple[np.ndarray, np.ndarray]:
-        """The host mirror's site and position fields (views of a block that never
-        moves: made once, ~1 us a request each time)."""
-        if self._host_views is None:
-            view = self.slots.host_view
-            self._host_views = view(self.fields.site), view(self.fields.pos)
-        return self._host_views
 
     def remove_request(self, req_id: str) -> None:
         if req_id in self._slot_of:

@@ -57,30 +57,23 @@ class WantTable:
         self._by_slot: dict[int, tuple[list[tuple[np.ndarray, np.ndarray, int]], int]] = {}
         self._flat: tuple[np.ndarray, ...] | None = None
         # slot -> (rules as (run starts, run ends, rows per token) in plain ints, Wants.end)
-        # for requests of few runs; slots with many runs (scattered positions) are not
-        # here and send their batches through the numpy pass
+        # for requests of few runs; a slot in _by_slot but not here (scattered positions)
+        # sends its batches through the numpy pass
         self._plain: dict[int, tuple[list[tuple[list, list, int]], int]] = {}
-        self._many_runs: set[int] = set()
 
     def set(self, slot: int, wants: Wants) -> None:
         rules = [(*runs, per) for runs, per in wants._by_rule.values()]
         self._by_slot[slot] = (rules, wants.end)
         self._flat = None
-        self.drop_plain(slot)
+        self._plain.pop(slot, None)
         if sum(len(starts) for starts, _, _ in rules) <= PLAIN_RUNS:
             self._plain[slot] = ([(s.tolist(), e.tolist(), per) for s, e, per in rules],
                                  wants.end)
-        else:
-            self._many_runs.add(slot)
 
     def drop(self, slot: int) -> None:
-        self.drop_plain(slot)
+        self._plain.pop(slot, None)
         if self._by_slot.pop(slot, None) is not None:
             self._flat = None
-
-    def drop_plain(self, slot: int) -> None:
-        self._plain.pop(slot, None)
-        self._many_runs.discard(slot)
 
     def bound(self, input_batch) -> int | None:
         """rows_in_step's total for the batch, or None without a host view of positions
@@ -88,15 +81,18 @@ class WantTable:
         small = self._small_rows(input_batch)
         if small is not None:
             return sum(small)
-        rows = self.rows(input_batch)
+        rows = self._array_rows(input_batch)
         return None if rows is None else int(rows.sum())
 
     def rows(self, input_batch) -> np.ndarray | None:
         """rows_in_step's bound per batch row (int64 [num_reqs]), or None without a host
         view of positions."""
         small = self._small_rows(input_batch)
-        if small is not None:
-            return np.array(small, np.int64)
+        return np.array(small, np.int64) if small is not None else \
+            self._array_rows(input_batch)
+
+    def _array_rows(self, input_batch) -> np.ndarray | None:
+        """rows() in one numpy pass over the batch."""
         w = batch_windows(input_batch)
         if w is None:
             return None
@@ -132,8 +128,8 @@ class WantTable:
         if n > PLAIN_BATCH or computed is None or slots is None:
             return None
         slots = slots[:n].tolist()
-        if self._many_runs and not self._many_runs.isdisjoint(slots):
-            return None
+        if any(s not in self._plain and s in self._by_slot for s in slots):
+            return None  # a request of many runs
         drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
         drafts = drafts[:n].tolist() if drafts is not None else [0] * n
         out, max_len = [], self._max_len
