@@ -116,3 +116,35 @@ def test_held_step(benchmark, at):
 
     out = benchmark.pedantic(finish, setup=finishing, rounds=50)
     assert len(out) == 64 and all(p.frames for p in out.values())
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["quiet", "busy"])
+@pytest.mark.parametrize("reqs", [1, 8], ids=["hs-first1", "hs-step8"])
+def test_split_and_seal_beside_a_busy_thread(benchmark, reqs, busy):
+    """The worker's output path of a step carrying last-prompt rows (3 sites, 8 KiB
+    each): the split and the seal (StepSnapshots._per_request), as vLLM's async output
+    thread runs it while the engine core's busy loop prepares the next step in Python.
+    A torch call releases the GIL: beside a busy thread each one may wait. Small steps
+    are sealed straight from the host copy (courier/direct.py); the chunk way made
+    about 20 torch calls per request."""
+    from graphtap.courier import StepSnapshots
+
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            sum(range(20000))  # ~1 ms of Python
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=loop)
+    if busy:
+        thread.start()
+    try:
+        out = benchmark.pedantic(
+            lambda snap: snap._per_request(None), rounds=300,
+            setup=lambda: ((StepSnapshots([step_snapshot(reqs, 1, "dump")]),), {}))
+    finally:
+        stop.set()
+        if busy:
+            thread.join()
+    assert len(out) == reqs and all(not p.frames for p in out.values())

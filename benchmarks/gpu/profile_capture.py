@@ -221,7 +221,7 @@ def step_kinds(prof) -> dict:
     return out
 
 
-def python_top(run, n: int = 30) -> list[tuple[str, int, float, float]]:
+def python_top(run, n: int = 60) -> dict[str, list[tuple[str, int, float, float]]]:
     """(function, calls, own ms, cumulative ms) of the n functions with the most own time
     in one run under cProfile. torch.profiler names torch ops and graphtap's ranges; a
     step's Python outside them (the scheduler, the output path, vLLM's own bookkeeping
@@ -233,9 +233,14 @@ def python_top(run, n: int = 30) -> list[tuple[str, int, float, float]]:
     prof = cProfile.Profile()
     prof.runcall(run)
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, calls, tt, ct, callers)
-    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
-    return [(f"{Path(f).name}:{line}({name})", calls, round(tt * 1000, 2), round(ct * 1000, 2))
-            for (f, line, name), (_, calls, tt, ct, _) in top]
+    row = lambda f, line, name, calls, tt, ct: (  # noqa: E731
+        f"{Path(f).name}:{line}({name})", calls, round(tt * 1000, 2), round(ct * 1000, 2))
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    # graphtap's own functions by cumulative time: its share of the run, by call path
+    ours = sorted(((k, v) for k, v in stats.items() if "graphtap" in k[0]),
+                  key=lambda kv: -kv[1][3])[:n]
+    return {"own": [row(*k, v[1], v[2], v[3]) for k, v in own],
+            "graphtap_cumulative": [row(*k, v[1], v[2], v[3]) for k, v in ours]}
 
 
 def write_trace(prof, stem: Path) -> str:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import ERROR, error_tensor, positions_key
+from graphtap.courier.direct import seal_small
 from graphtap.courier.pack import (SOLO_BYTES, pack_key, packed_index, ramp, row_bytes,
                                    run_starts)
 from graphtap.courier.sink import SinkFailed
@@ -87,6 +88,22 @@ class CaptureStep(LabelledStep):
             if self.staged is not None:  # the block goes back once the views are written
                 self.sink.writer.settle(self.staged, handed)
                 self.staged = None
+
+    def sealed(self):
+        """A small step's payload values per request straight from the host copy
+        (direct.py), or None: the chunk way (_gathered). Only a step whose every row
+        came home, with no sink, of at most small_rows rows."""
+        if self.sink is not None:
+            return None
+        count = self.count.numpy()
+        used = int(count[0])
+        if used > min(self.rows.shape[0], self.small_rows) or used != int(count[1:].sum()):
+            return None
+        if not used:
+            return {}
+        return seal_small(self.labels.numpy()[:used, :HOST_LABELS],
+                          self.rows.view(torch.uint8).numpy(), self.rows.dtype, self.formats,
+                          self.site_names, self.slot_to_req, _pack_format)
 
     def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:
         """The rows `keep` marks (all: None), per request: per output format one pack of

@@ -18,7 +18,7 @@ from vllm.v1.outputs import HookPayload
 
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
 from graphtap.courier.pack import run_starts
-from graphtap.courier.payload import seal
+from graphtap.courier.payload import _ENCODER, seal
 from graphtap.ops.tables import Label
 from graphtap.profiling import HostClock, named
 
@@ -76,12 +76,35 @@ class StepSnapshots:
             return self._per_request(step)
 
     def _per_request(self, step) -> dict[str, HookPayload]:
+        direct = self._sealed() if self.hold is None and not self.guards else None
+        if direct is not None:
+            return direct
         # held chunks (held_chunks.py) go when their request may finish, several at once;
         # a step of held requests only may stay whole until then
         going = {req: (chunk,) for req, chunk in self.chunks(step).items()} \
             if self.hold is None else self.hold.step_snapshots(self, step)
         with named("graphtap.seal"):
             return {req: seal(*sent) for req, sent in going.items()}
+
+    def _sealed(self) -> dict[str, HookPayload] | None:
+        """Each request's payload made from the parts' host copies without chunks of
+        tensors (courier/direct.py), where every part can; None: the chunk way."""
+        values = []
+        for part in self.parts:
+            found = part.sealed() if isinstance(part, LabelledStep) and \
+                getattr(part, "held", None) is None else None
+            if found is None:
+                return None
+            values.append(found)
+        with named("graphtap.per_request"):
+            for part in self.parts:
+                part.release_device()  # the copy is done (after the copy event)
+            merged: dict[str, dict] = {}
+            for found in values:
+                for req, inline in found.items():
+                    merged.setdefault(req, {}).update(inline)
+            return {req: HookPayload(_ENCODER.encode(inline), {}, False)
+                    for req, inline in merged.items() if inline}
 
     def chunks(self, step=None) -> dict[str, dict[str, torch.Tensor]]:
         """Each request's outputs of the step, name -> tensor. `step`: the step's
@@ -151,6 +174,11 @@ class LabelledStep:
 
     def release_device(self) -> None:
         self._device = None
+
+    def sealed(self) -> dict[str, dict] | None:
+        """Per request its payload values (payload.Inline) made straight from the host
+        copy, where the family can (CaptureStep: small steps); None: the chunk way."""
+        return None
 
     def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The used rows' labels and values as host arrays of their own (the pinned

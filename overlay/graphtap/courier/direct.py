@@ -1,0 +1,108 @@
+"""A small capture step sealed straight from the host copy: each request's payload
+values (payload.Inline) cut from numpy views of the step's pinned rows, with no torch
+call per request or per value.
+
+Why: vLLM runs the worker's output path (the copy wait, this split, the seal) on an
+async output thread beside the engine core's busy loop, which meanwhile schedules and
+prepares the next step in Python. Every torch call releases the GIL, and a release lets
+the loop keep it for up to a switch interval: on the H200 host the split and seal of a
+prefill step's last-prompt rows cost several times what they cost on a quiet thread
+(benchmarks/cpu/test_bench_delivery.py test_split_and_seal_beside_a_busy_thread), and a
+burst's first tokens wait for them.
+
+The payloads are byte for byte what payload.seal makes of CaptureStep._split_small's
+chunks (tests/test_courier_direct.py); a step this path cannot take whole (rows lost, a
+cast, heads that are not one run, a value large enough to travel as a frame) returns
+None and goes the chunk way."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from graphtap.courier.chunks import positions_key
+from graphtap.courier.pack import SOLO_BYTES, pack_key, row_bytes
+from graphtap.courier.payload import _NAMES, INLINE_BYTES, Inline
+
+
+def seal_small(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats: dict,
+               site_names: dict[int, str], slot_to_req: dict[int, str],
+               pack_format: Callable) -> dict[str, dict[str, Inline]] | None:
+    """Per request its values as seal() of _split_small's chunk would hold them, in the
+    same order. `labels`: the used rows' (slot, site, position); `raw`: the step copy's
+    rows as bytes ([rows, columns x itemsize] uint8); `dtype`: the rows' dtype."""
+    groups: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for row, (slot, site, pos) in enumerate(labels.tolist()):
+        if slot in slot_to_req:
+            groups.setdefault(slot, {}).setdefault(site, []).append((pos, row))
+    cut = _Cutter(raw, dtype)
+    out: dict[str, dict[str, Inline]] = {}
+    for slot in sorted(groups):
+        chunk = out.setdefault(slot_to_req[slot], {})
+        packs: dict[tuple, list[tuple[int, list[tuple[int, int]]]]] = {}
+        for site in sorted(groups[slot]):
+            found = sorted(groups[slot][site])
+            fmt = pack_format(formats[slot][site])
+            if len(found) * row_bytes(fmt) < SOLO_BYTES:
+                packs.setdefault(fmt, []).append((site, found))
+                continue
+            name = site_names[site]
+            values = cut(fmt, [r for _, r in found])
+            if values is None:
+                return None
+            chunk[name], chunk[positions_key(name)] = values, _ints([p for p, _ in found])
+        for fmt, members in packs.items():
+            values = cut(fmt, [r for _, found in members for _, r in found])
+            if values is None:
+                return None
+            key = pack_key([site_names[site] for site, _ in members])
+            chunk[key] = values
+            chunk[positions_key(key)] = _ints([len(found) for _, found in members] +
+                                              [p for _, found in members for p, _ in found])
+    return out
+
+
+class _Cutter:
+    """Rows of the step copy in an output format, as Inline values (CaptureStep._gather's
+    columns and shapes); None for what only the tensor path does."""
+
+    def __init__(self, raw: np.ndarray, dtype: torch.dtype):
+        self.raw, self.dtype, self.name = raw, dtype, _NAMES.get(dtype)
+        self.size = dtype.itemsize
+        self.columns = raw.shape[1] // self.size
+        self._spans: dict[tuple, tuple | None] = {}
+
+    def __call__(self, fmt, rows: list[int]) -> Inline | None:
+        span = self._spans.get(fmt, False)
+        if span is False:
+            span = self._spans[fmt] = self._span(fmt)
+        if span is None:
+            return None
+        lo, hi, tail = span
+        if len(rows) * (hi - lo) >= INLINE_BYTES:
+            return None  # a frame of its own: a tensor
+        data = np.ascontiguousarray(self.raw[rows, lo:hi])
+        return Inline(self.name, (len(rows), *tail), memoryview(data.reshape(-1)))
+
+    def _span(self, fmt) -> tuple[int, int, tuple[int, ...]] | None:
+        """(first byte, end byte, shape after the row count) of a format's columns."""
+        dtype, width, heads, head_dim = fmt
+        if dtype != self.dtype or self.name is None:
+            return None  # a cast
+        lo, hi = 0, min(width, self.columns)
+        if heads is None and head_dim:  # every head (a narrowed row may end mid-head)
+            hi = hi // head_dim * head_dim
+        elif heads is not None:
+            first, count = heads[0], len(heads)
+            if tuple(heads) != tuple(range(first, first + count)):
+                return None  # heads in runs: _cut's copies
+            lo, hi = first * head_dim, (first + count) * head_dim
+            if hi > self.columns:
+                return None
+        tail = ((hi - lo) // head_dim, head_dim) if head_dim else (hi - lo,)
+        return lo * self.size, hi * self.size, tail
+
+
+def _ints(values: list[int]) -> Inline:
+    return Inline("int64", (len(values),), memoryview(np.array(values, np.int64)))

@@ -1,0 +1,106 @@
+"""Small capture steps sealed straight from the host copy (courier/direct.py): the same
+payloads, byte for byte, as the chunk way (CaptureStep._split_small, then seal), and no
+torch call per request (each one releases the GIL to the engine core's busy loop)."""
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+from graphtap.courier import CaptureStep, RowFormat, StepRows, StepSnapshots
+from graphtap.courier.chunks import OverflowKind
+from graphtap.courier.payload import open_payload, seal
+
+HD = 2
+NAMES = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v",
+         3: "blocks.2.hook_resid_post"}
+
+
+def fmt_pool(width: int) -> dict[str, RowFormat]:
+    return {"resid": RowFormat(torch.bfloat16, width, None, 0),
+            "heads": RowFormat(torch.bfloat16, 8, (1, 2), HD),  # one run
+            "all": RowFormat(torch.bfloat16, 8, None, HD),
+            "gaps": RowFormat(torch.bfloat16, 8, (3, 0), HD),  # runs: the tensor path
+            "f32": RowFormat(torch.float32, width, None, 0)}  # a cast: the tensor path
+
+
+DIRECT = {"resid", "heads", "all"}
+
+
+def make(rows, labels, used, slot_to_req, formats):
+    wanted = torch.bincount(torch.tensor([s for s, _, _ in labels[:used]] or [0],
+                                         dtype=torch.long), minlength=max(slot_to_req) + 2)
+    if not used:
+        wanted.zero_()
+    return CaptureStep(StepRows(rows.clone(), torch.tensor(labels), torch.cat(
+        [torch.tensor([used]), wanted]), slot_to_req, formats, NAMES, 1000,
+        OverflowKind.CAPTURE_ROWS))
+
+
+@st.composite
+def steps(draw):
+    width = draw(st.sampled_from([16, 4096]))
+    pool = fmt_pool(width)
+    slots = draw(st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True))
+    kinds = {s: {site: draw(st.sampled_from(sorted(pool)))
+                 for site in draw(st.sets(st.integers(0, 3), min_size=1, max_size=3))}
+             for s in slots}
+    labels = [(s, site, p) for s in slots for site in kinds[s]
+              for p in draw(st.sets(st.integers(0, 40), min_size=1, max_size=4))]
+    labels = draw(st.permutations(labels))[:32]
+    gone = draw(st.booleans()) and labels  # a slot whose request went: rows, no request
+    if gone:
+        labels = labels[:-1] + [(9, labels[-1][1], 0)]
+    formats = {s: {site: pool[k] for site, k in kinds[s].items()} for s in slots}
+    return width, pool, kinds, labels, formats
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps(), st.integers(0, 2**31))
+def test_direct_payloads_equal_the_chunk_way(case, seed):
+    width, pool, kinds, labels, formats = case
+    used = len(labels)
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(used + 2, width, generator=g).to(torch.bfloat16)
+    labels = labels + [(8, 0, 0)] * 2  # unused rows past the count
+    slot_to_req = {s: f"r{s}" for s in kinds} | {9 - 1: "idle"}
+    old = StepSnapshots([make(rows, labels, used, slot_to_req, formats)])
+    want = {req: seal(c) for req, c in old.chunks().items()}
+    snap = make(rows, labels, used, slot_to_req, formats)
+    values = snap.sealed()
+    got = StepSnapshots([make(rows, labels, used, slot_to_req, formats)])._per_request(None)
+    assert got.keys() == want.keys()
+    for req in want:
+        a, b = open_payload(got[req]), open_payload(want[req])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), req
+        assert got[req].inline == want[req].inline, req  # byte for byte
+    live = {(s, site) for s, site, _ in labels[:used] if s in kinds}
+    native = all(kinds[s][site] in DIRECT for s, site in live)
+    if width == 16 and native:  # nothing travels as a frame: the direct path took it
+        assert values is not None and all(not p.frames for p in got.values())
+    if not native:
+        assert values is None
+
+
+def test_no_torch_call_per_request():
+    """The direct path's torch calls are per step, not per request or value."""
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def calls(reqs: int) -> int:
+        labels = [(r, site, 7) for site in range(3) for r in range(reqs)]
+        fmt = RowFormat(torch.bfloat16, 4096, None, 0)
+        snap = StepSnapshots([make(torch.randn(len(labels), 4096).to(torch.bfloat16), labels,
+                                   len(labels), {r: f"r{r}" for r in range(reqs)},
+                                   {r: dict.fromkeys(range(3), fmt) for r in range(reqs)})])
+        Count.calls = 0
+        with Count():
+            out = snap._per_request(None)
+        assert len(out) == reqs
+        return Count.calls
+
+    assert calls(1) == calls(8) <= 8
