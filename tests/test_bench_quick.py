@@ -19,8 +19,8 @@ def bench(module: str, *args, env=None, timeout=900):
 
 @pytest.mark.parametrize("variant", ["stock", "graphtap"])
 def test_bench_tpot_quick(variant, tmp_path, llama_path):
-    modes = (["--modes", "idle,steer,hs,qk,mixed", "--burst-modes", "dump"]
-             if variant == "graphtap" else [])
+    modes = (["--modes", "idle,steer,hs,qk,mixed", "--burst-modes", "dump",
+              "--trace-modes", "idle,hs"] if variant == "graphtap" else [])
     res = bench("bench_tpot", "--quick", "--variant", variant, "--out", tmp_path, *modes)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / f"tpot-tiny-{variant}-quick.json").read_text())
@@ -38,6 +38,9 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
     assert {r["rate"] for r in data["runs"]} == {8.0, "burst3"}
     assert all(r["rate"] == "burst3" for r in data["runs"] if r["mode"] == "dump")
     assert all(len(r["tpot_ms_by_request"]) == r["requests"] for r in data["runs"])
+    if variant == "graphtap":  # one traced burst per mode, not counted with the runs
+        traces = {p.parent.name for p in (tmp_path / "traces").rglob("*.trace.json.gz")}
+        assert traces == {"burst-idle", "burst-hs"}, traces
     # the engine core's clock: every request's figure, and of the same scale as the client's
     for r in data["runs"]:
         assert len(r["tpot_engine_ms_by_request"]) == r["requests"]

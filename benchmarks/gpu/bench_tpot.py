@@ -69,6 +69,9 @@ def engine_args(args, path: str, cfg: dict, memory: float | None = None):
 
             kw.update(max_num_batched_tokens=args.prefill_graphs,
                       compilation_config=prefill_compilation_config(args.prefill_graphs))
+    if args.trace_modes:  # vLLM's torch profiler, started around the traced bursts only
+        kw.update(profiler_config={"profiler": "torch", "torch_profiler_dir": str(
+            Path(args.out).resolve() / "traces"), "torch_profiler_with_stack": False})
     if memory is not None:  # engines sharing the device (bench_twin.py)
         kw.update(gpu_memory_utilization=memory)
     if args.variant == "graphtap":
@@ -233,9 +236,29 @@ async def bench(args) -> dict:
                     result["runs"].append(r)
                     print(json.dumps(r), flush=True)
                 write_result(result, out)
+        for mode in [m for m in args.trace_modes.split(",") if m]:
+            await traced_burst(engine, args, cfg, vec, mode)
     finally:
         engine.shutdown()
     return write_result(result, out, final=True)
+
+
+async def traced_burst(engine, args, cfg, vec, mode: str) -> None:
+    """One more burst of `mode` (the largest of --bursts) under vLLM's torch profiler: a
+    timeline of the frontend, the engine core and the worker, host and device, in
+    <out>/traces (issue 18: where a hooked burst's first step spends what graphtap's
+    host clock does not account for). Its figures are not counted with the runs."""
+    await engine.start_profile(profile_prefix=f"burst-{mode}")
+    try:
+        await run_rate(engine, args, cfg, 1.0, -1, mode_hooks(
+            mode, cfg, vec, args.input_len, args.sink_layers), max(args.bursts or [1]))
+    finally:
+        await engine.stop_profile()
+    # vLLM names its trace files by process and time: each burst's go in a folder of its own
+    root = Path(args.out).resolve() / "traces"
+    (root / f"burst-{mode}").mkdir(exist_ok=True)
+    for f in root.glob("*.gz"):
+        f.rename(root / f"burst-{mode}" / f.name)
 
 
 async def sink_run(engine, before: tuple[int, int], wall: float, keep: bool = False) -> dict:
@@ -361,6 +384,9 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
                          "(graph_sizes.py; default: vLLM's sizes, none above 128 tokens "
                          "at 64 sequences)")
     ap.add_argument("--rates", default="1,4,8,16")
+    ap.add_argument("--trace-modes", default="",
+                    help="after the runs, one burst per mode listed (e.g. idle,hs) under "
+                         "vLLM's torch profiler, its traces in <out>/traces")
     ap.add_argument("--bursts", default="", help="also: N requests at once, e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=0, help="per run (default: by rate)")
