@@ -1,6 +1,7 @@
-"""Small capture steps sealed straight from the host copy (courier/direct.py): the same
-payloads, byte for byte, as the chunk way (CaptureStep._split_small, then seal), and no
-torch call per request (each one releases the GIL to the engine core's busy loop)."""
+"""Capture steps sealed straight from the host copy (courier/direct.py): the same payloads
+as the chunk way (byte for byte where that is CaptureStep._split_small, then seal; the
+same values where it is the array passes), and no torch call per request (each one
+releases the GIL to the engine core's busy loop)."""
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,8 +46,8 @@ def steps(draw):
                  for site in draw(st.sets(st.integers(0, 3), min_size=1, max_size=3))}
              for s in slots}
     labels = [(s, site, p) for s in slots for site in kinds[s]
-              for p in draw(st.sets(st.integers(0, 40), min_size=1, max_size=4))]
-    labels = draw(st.permutations(labels))[:32]
+              for p in draw(st.sets(st.integers(0, 40), min_size=1, max_size=6))]
+    labels = draw(st.permutations(labels))[:48]  # past small_rows: the array passes
     gone = draw(st.booleans()) and labels  # a slot whose request went: rows, no request
     if gone:
         labels = labels[:-1] + [(9, labels[-1][1], 0)]
@@ -72,7 +73,8 @@ def test_direct_payloads_equal_the_chunk_way(case, seed):
     for req in want:
         a, b = open_payload(got[req]), open_payload(want[req])
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), req
-        assert got[req].inline == want[req].inline, req  # byte for byte
+        if used <= CaptureStep.small_rows:  # the chunk way split in plain Python
+            assert got[req].inline == want[req].inline, req  # byte for byte
     live = {(s, site) for s, site, _ in labels[:used] if s in kinds}
     native = all(kinds[s][site] in DIRECT for s, site in live)
     if width == 16 and native:  # nothing travels as a frame: the direct path took it

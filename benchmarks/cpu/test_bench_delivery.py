@@ -119,14 +119,16 @@ def test_held_step(benchmark, at):
 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["quiet", "busy"])
-@pytest.mark.parametrize("reqs", [1, 8], ids=["hs-first1", "hs-step8"])
+@pytest.mark.parametrize("reqs", [1, 8, 64], ids=["hs-first1", "hs-step8", "decode64"])
 def test_split_and_seal_beside_a_busy_thread(benchmark, reqs, busy):
-    """The worker's output path of a step carrying last-prompt rows (3 sites, 8 KiB
-    each): the split and the seal (StepSnapshots._per_request), as vLLM's async output
-    thread runs it while the engine core's busy loop prepares the next step in Python.
-    A torch call releases the GIL: beside a busy thread each one may wait. Small steps
-    are sealed straight from the host copy (courier/direct.py); the chunk way made
-    about 20 torch calls per request."""
+    """The worker's output path of a step carrying one row per request at 3 sites (8 KiB
+    each: a burst's first step, a prefill step of 8 requests' last-prompt rows, a decode
+    step of 64 requests capturing every token): the split and the seal
+    (StepSnapshots._per_request), as vLLM's async output thread runs it while the
+    engine core's busy loop prepares the next step in Python. A torch call releases
+    the GIL: beside a busy thread each one may wait. Steps of up to
+    CaptureStep.direct_rows rows are sealed straight from the host copy
+    (courier/direct.py); the chunk way made about 20 torch calls per request."""
     from graphtap.courier import StepSnapshots
 
     stop = threading.Event()

@@ -50,6 +50,9 @@ class CaptureStep(LabelledStep):
     # requests' last-prompt rows), which the engine's next admissions wait for. Plain
     # Python costs ~35 us a request there: past ~10 requests the array passes win.
     small_rows = 32
+    # Steps of at most this many rows are sealed from the host copy (sealed(): a Python
+    # pass over the rows, no tensor calls per request; test_bench_delivery.py)
+    direct_rows = 512
 
     def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
         # A sink step's rows go home on the sink's own stream: on vLLM's copy stream the
@@ -90,14 +93,13 @@ class CaptureStep(LabelledStep):
                 self.staged = None
 
     def sealed(self):
-        """A small step's payload values per request straight from the host copy
-        (direct.py), or None: the chunk way (_gathered). Only a step whose every row
-        came home, with no sink, of at most small_rows rows."""
+        """Payload values per request straight from the host copy (direct.py), or None:
+        the chunk way. Only a step of at most direct_rows rows, all home, no sink."""
         if self.sink is not None:
             return None
         count = self.count.numpy()
         used = int(count[0])
-        if used > min(self.rows.shape[0], self.small_rows) or used != int(count[1:].sum()):
+        if used > min(self.rows.shape[0], self.direct_rows) or used != int(count[1:].sum()):
             return None
         if not used:
             return {}
