@@ -9,6 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 from graphtap.courier import CaptureStep, RowFormat, StepRows, StepSnapshots
 from graphtap.courier.chunks import OverflowKind
+from graphtap.courier.pack import unpack
 from graphtap.courier.payload import open_payload, seal
 
 HD = 2
@@ -106,3 +107,17 @@ def test_no_torch_call_per_request():
         return Count.calls
 
     assert calls(1) == calls(8) <= 8
+
+
+def test_a_step_copy_that_is_not_contiguous_goes_the_chunk_way():
+    """The direct seal reads the rows as bytes: rows that are a strided view (not what
+    the capture family hands over, but a LabelledStep may be built so) are split the
+    chunk way instead of failing the step."""
+    labels = [(0, 0, 3), (0, 0, 4)]
+    fmt = RowFormat(torch.bfloat16, 8, None, 0)
+    rows = torch.arange(2.0, dtype=torch.bfloat16)[:, None].expand(2, 8)
+    snap = StepSnapshots([make(rows, labels, 2, {0: "a"}, {0: {0: fmt}})])
+    snap.parts[0].rows = rows  # make() clones: keep the strided view
+    got = unpack(open_payload(snap._per_request(None)["a"]))
+    assert got[f"{NAMES[0]}@positions"].tolist() == [3, 4]
+    assert torch.equal(got[NAMES[0]], rows)

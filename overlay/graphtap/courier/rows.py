@@ -95,7 +95,7 @@ class CaptureStep(LabelledStep):
     def sealed(self):
         """Payload values per request straight from the host copy (direct.py), or None:
         the chunk way. Only a step of at most direct_rows rows, all home, no sink."""
-        if self.sink is not None:
+        if self.sink is not None or not self.rows.is_contiguous():
             return None
         count = self.count.numpy()
         used = int(count[0])
