@@ -71,7 +71,7 @@ def engine_args(args, path: str, cfg: dict, memory: float | None = None):
                       compilation_config=prefill_compilation_config(args.prefill_graphs))
     if args.trace_modes:  # vLLM's torch profiler, started around the traced bursts only
         kw.update(profiler_config={"profiler": "torch", "torch_profiler_dir": str(
-            Path(args.out).resolve() / "traces"), "torch_profiler_with_stack": False})
+            trace_dir(args)), "torch_profiler_with_stack": False})
     if memory is not None:  # engines sharing the device (bench_twin.py)
         kw.update(gpu_memory_utilization=memory)
     if args.variant == "graphtap":
@@ -243,6 +243,10 @@ async def bench(args) -> dict:
     return write_result(result, out, final=True)
 
 
+def trace_dir(args) -> Path:
+    return Path(args.out).resolve() / "traces"
+
+
 async def traced_burst(engine, args, cfg, vec, mode: str) -> None:
     """One more burst of `mode` (the largest of --bursts) under vLLM's torch profiler: a
     timeline of the frontend, the engine core and the worker, host and device, in
@@ -255,7 +259,7 @@ async def traced_burst(engine, args, cfg, vec, mode: str) -> None:
     finally:
         await engine.stop_profile()
     # vLLM names its trace files by process and time: each burst's go in a folder of its own
-    root = Path(args.out).resolve() / "traces"
+    root = trace_dir(args)
     (root / f"burst-{mode}").mkdir(exist_ok=True)
     for f in root.glob("*.gz"):
         f.rename(root / f"burst-{mode}" / f.name)

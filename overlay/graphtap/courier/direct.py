@@ -26,20 +26,21 @@ from graphtap.courier.pack import SOLO_BYTES, pack_key, row_bytes
 from graphtap.courier.payload import _NAMES, INLINE_BYTES, Inline
 
 
-def seal_small(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats: dict,
-               site_names: dict[int, str], slot_to_req: dict[int, str],
-               pack_format: Callable) -> dict[str, dict[str, Inline]] | None:
-    """Per request its values as seal() of _split_small's chunk would hold them, in the
-    same order. `labels`: the used rows' (slot, site, position); `raw`: the step copy's
-    rows as bytes ([rows, columns x itemsize] uint8); `dtype`: the rows' dtype."""
+def plain_groups(labels: np.ndarray, formats: dict, site_names: dict[int, str],
+                 slot_to_req: dict[int, str], pack_format: Callable):
+    """The plain-Python walk of a small step that CaptureStep._split_small and the direct
+    seal share: per value of a request's chunk, in the chunk's order, (request id, key,
+    format, buffer rows, index). Per request (by slot), each site with SOLO_BYTES of
+    rows or more on its own (key: its name; index: its positions), the others packed
+    per output format in site order (key: pack.pack_key; index: each site's row count,
+    then the positions), every group's rows in position order. `labels`: the used rows'
+    (slot, site, position)."""
     groups: dict[int, dict[int, list[tuple[int, int]]]] = {}
     for row, (slot, site, pos) in enumerate(labels.tolist()):
         if slot in slot_to_req:
             groups.setdefault(slot, {}).setdefault(site, []).append((pos, row))
-    cut = _Cutter(raw, dtype)
-    out: dict[str, dict[str, Inline]] = {}
     for slot in sorted(groups):
-        chunk = out.setdefault(slot_to_req[slot], {})
+        req = slot_to_req[slot]
         packs: dict[tuple, list[tuple[int, list[tuple[int, int]]]]] = {}
         for site in sorted(groups[slot]):
             found = sorted(groups[slot][site])
@@ -47,19 +48,29 @@ def seal_small(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats:
             if len(found) * row_bytes(fmt) < SOLO_BYTES:
                 packs.setdefault(fmt, []).append((site, found))
                 continue
-            name = site_names[site]
-            values = cut(fmt, [r for _, r in found])
-            if values is None:
-                return None
-            chunk[name], chunk[positions_key(name)] = values, _ints([p for p, _ in found])
+            yield req, site_names[site], fmt, [r for _, r in found], [p for p, _ in found]
         for fmt, members in packs.items():
-            values = cut(fmt, [r for _, found in members for _, r in found])
-            if values is None:
-                return None
-            key = pack_key([site_names[site] for site, _ in members])
-            chunk[key] = values
-            chunk[positions_key(key)] = _ints([len(found) for _, found in members] +
-                                              [p for _, found in members for p, _ in found])
+            yield (req, pack_key([site_names[site] for site, _ in members]), fmt,
+                   [r for _, found in members for _, r in found],
+                   [len(found) for _, found in members] +
+                   [p for _, found in members for p, _ in found])
+
+
+def seal_small(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats: dict,
+               site_names: dict[int, str], slot_to_req: dict[int, str],
+               pack_format: Callable) -> dict[str, dict[str, Inline]] | None:
+    """Per request its values as seal() of _split_small's chunk would hold them, in the
+    same order (plain_groups). `raw`: the step copy's rows as bytes ([rows, columns x
+    itemsize] uint8); `dtype`: the rows' dtype."""
+    cut = _Cutter(raw, dtype)
+    out: dict[str, dict[str, Inline]] = {}
+    for req, key, fmt, rows, index in plain_groups(labels, formats, site_names,
+                                                   slot_to_req, pack_format):
+        values = cut(fmt, rows)
+        if values is None:
+            return None
+        chunk = out.setdefault(req, {})
+        chunk[key], chunk[positions_key(key)] = values, _ints(index)
     return out
 
 

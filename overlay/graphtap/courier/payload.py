@@ -67,7 +67,14 @@ def seal(*chunks: dict[str, torch.Tensor]) -> HookPayload:
             frames[key] = t
         else:
             inline[key] = Inline(_NAMES[t.dtype], tuple(t.shape), _raw(t))
-    return HookPayload(_ENCODER.encode(inline) if inline else b"", frames, finish)
+    return seal_values(inline, frames, finish)
+
+
+def seal_values(inline: dict[str, Inline], frames: dict[str, torch.Tensor] | None = None,
+           finish: bool = False) -> HookPayload:
+    """The payload of values already made (Inline: courier/direct.py makes them from
+    numpy views, no tensors) and frames."""
+    return HookPayload(_ENCODER.encode(inline) if inline else b"", frames or {}, finish)
 
 
 def _raw(t: torch.Tensor) -> memoryview:

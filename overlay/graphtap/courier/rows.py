@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import ERROR, error_tensor, positions_key
-from graphtap.courier.direct import seal_small
+from graphtap.courier.direct import plain_groups, seal_small
 from graphtap.courier.pack import (SOLO_BYTES, pack_key, packed_index, ramp, row_bytes,
                                    run_starts)
 from graphtap.courier.sink import SinkFailed
@@ -167,35 +167,15 @@ class CaptureStep(LabelledStep):
 
     def _split_small(self) -> dict[str, dict[str, torch.Tensor]]:
         """_split's result for a step of few rows, grouped in plain Python over the
-        labels: per request (by slot), each site with SOLO_BYTES of rows or more on its
-        own, the others packed per output format in site order, every group's rows in
-        position order (tests/test_courier_units.py holds it to _split)."""
+        labels (direct.plain_groups; tests/test_courier_units.py holds it to _split)."""
         used = min(int(self.count[0]), self.rows.shape[0])
-        groups: dict[int, dict[int, list[tuple[int, int]]]] = {}
-        for row, (slot, site, pos) in enumerate(self.labels[:used, :HOST_LABELS].tolist()):
-            if slot in self.slot_to_req:
-                groups.setdefault(slot, {}).setdefault(site, []).append((pos, row))
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for slot in sorted(groups):
-            chunk = out.setdefault(self.slot_to_req[slot], {})
-            packs: dict[RowFormat, list[tuple[int, list[tuple[int, int]]]]] = {}
-            for site in sorted(groups[slot]):
-                found = sorted(groups[slot][site])
-                fmt = _pack_format(self.formats[slot][site])
-                if len(found) * row_bytes(fmt) < SOLO_BYTES:
-                    packs.setdefault(fmt, []).append((site, found))
-                    continue
-                name = self.site_names[site]
-                chunk[name] = self._gather(np.array([r for _, r in found], np.int64), fmt)
-                chunk[positions_key(name)] = torch.tensor([p for p, _ in found],
-                                                          dtype=torch.int64)
-            for fmt, members in packs.items():
-                key = pack_key([self.site_names[site] for site, _ in members])
-                chunk[key] = self._gather(np.array(
-                    [r for _, found in members for _, r in found], np.int64), fmt)
-                chunk[positions_key(key)] = torch.tensor(
-                    [len(found) for _, found in members] +
-                    [p for _, found in members for p, _ in found], dtype=torch.int64)
+        for req, key, fmt, rows, index in plain_groups(
+                self.labels[:used, :HOST_LABELS].numpy(), self.formats, self.site_names,
+                self.slot_to_req, _pack_format):
+            chunk = out.setdefault(req, {})
+            chunk[key] = self._gather(np.array(rows, np.int64), fmt)
+            chunk[positions_key(key)] = torch.tensor(index, dtype=torch.int64)
         return out
 
     def _gather(self, rows: np.ndarray, fmt: RowFormat) -> torch.Tensor:

@@ -18,7 +18,7 @@ from vllm.v1.outputs import HookPayload
 
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
 from graphtap.courier.pack import run_starts
-from graphtap.courier.payload import _ENCODER, seal
+from graphtap.courier.payload import seal, seal_values
 from graphtap.ops.tables import Label
 from graphtap.profiling import HostClock, named
 
@@ -103,8 +103,7 @@ class StepSnapshots:
             for found in values:
                 for req, inline in found.items():
                     merged.setdefault(req, {}).update(inline)
-            return {req: HookPayload(_ENCODER.encode(inline), {}, False)
-                    for req, inline in merged.items() if inline}
+            return {req: seal_values(inline) for req, inline in merged.items() if inline}
 
     def chunks(self, step=None) -> dict[str, dict[str, torch.Tensor]]:
         """Each request's outputs of the step, name -> tensor. `step`: the step's
