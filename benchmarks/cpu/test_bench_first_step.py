@@ -42,8 +42,9 @@ def batch(reqs: int, tokens: int, computed: int):
 def test_want_bound(benchmark, reqs, step):
     """A row family's step plan (WantTable.bound) in the step after an admission (its
     arrays rebuilt): every request of the batch captures 3 sites at its last prompt
-    token; prefill: each request's 256-token prompt, decode: one token past it. Up to
-    16 requests the bound is computed in plain Python, beyond in one numpy pass."""
+    token; prefill: each request's 256-token prompt, decode: one token past it. The
+    bound is computed in plain Python over the rows before their last wanted position
+    where they are at most 16 (all of decode's are past it), else in one numpy pass."""
     table = WantTable(L)
     for slot in range(reqs):
         wants = Wants(L)
@@ -56,6 +57,29 @@ def test_want_bound(benchmark, reqs, step):
         return table.bound(b)
 
     assert benchmark(after_admission) == (reqs * len(HS) if step == "prefill" else 0)
+
+
+@pytest.mark.parametrize("reqs", [16, 32, 64])
+def test_want_bound_in_a_burst(benchmark, reqs):
+    """The plan of a burst's later step (8 requests admitted per 2048-token step): the
+    8 newest requests' prompts beside `reqs` - 8 earlier ones decoding past their last
+    prompt token, every one capturing 3 sites there, the table's arrays rebuilt (an
+    admission). The decoding rows are told apart by their slot's end, so only the new
+    prompts are counted (before: the numpy pass over the whole batch past 16)."""
+    table = WantTable(L)
+    for slot in range(reqs):
+        wants = Wants(L)
+        wants.add("last_prompt", PROMPT, len(HS))
+        table.set(slot, wants)
+    b = batch(reqs, 1, PROMPT + 1)
+    b.num_scheduled_tokens[-8:] = PROMPT
+    b.num_computed_tokens_np[-8:] = 0
+
+    def after_admission():
+        table._flat = None
+        return table.bound(b)
+
+    assert benchmark(after_admission) == 8 * len(HS)
 
 
 class NoRouting:

@@ -60,11 +60,18 @@ class WantTable:
         # for requests of few runs; a slot in _by_slot but not here (scattered positions)
         # sends its batches through the numpy pass
         self._plain: dict[int, tuple[list[tuple[list, list, int]], int]] = {}
+        # per slot its Wants.end (0: none), kept up to date, never rebuilt: a large batch's
+        # rows past their last wanted position are told apart in a few numpy calls
+        self._ends = np.zeros(0, np.int64)
 
     def set(self, slot: int, wants: Wants) -> None:
         rules = [(*runs, per) for runs, per in wants._by_rule.values()]
         self._by_slot[slot] = (rules, wants.end)
         self._flat = None
+        if slot >= len(self._ends):
+            self._ends = np.concatenate([self._ends, np.zeros(slot + 1 - len(self._ends),
+                                                              np.int64)])
+        self._ends[slot] = wants.end
         self._plain.pop(slot, None)
         if sum(len(starts) for starts, _, _ in rules) <= PLAIN_RUNS:
             self._plain[slot] = ([(s.tolist(), e.tolist(), per) for s, e, per in rules],
@@ -74,6 +81,7 @@ class WantTable:
         self._plain.pop(slot, None)
         if self._by_slot.pop(slot, None) is not None:
             self._flat = None
+            self._ends[slot] = 0
 
     def bound(self, input_batch) -> int | None:
         """rows_in_step's total for the batch, or None without a host view of positions
@@ -118,34 +126,53 @@ class WantTable:
         return np.bincount(rule_slot, by_rule, minlength=size)[slots].astype(np.int64)
 
     def _small_rows(self, input_batch) -> list[int] | None:
-        """rows() in plain Python for a batch of at most PLAIN_BATCH requests whose rules
-        have few runs (a burst's first steps: one request's prompt), None otherwise: the
-        numpy pass and the table's rebuild after an admission cost ~15 numpy calls, more
-        than this loop over a few requests' runs (benchmarks/cpu: test_want_bound)."""
+        """rows() in plain Python where few requests of the batch may want rows now and
+        their rules have few runs (a burst's steps: the new requests' prompts beside
+        requests decoding past their last wanted position), None otherwise: the numpy
+        pass and the table's rebuild after an admission cost ~15 numpy calls, more than
+        this loop over a few requests' runs (benchmarks/cpu: test_want_bound)."""
         n = len(input_batch.req_ids)
         computed = getattr(input_batch, "num_computed_tokens_np", None)
         slots = getattr(input_batch, "idx_mapping_np", None)
-        if n > PLAIN_BATCH or computed is None or slots is None:
+        if computed is None or slots is None:
             return None
-        slots = slots[:n].tolist()
+        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+        if n > PLAIN_BATCH:
+            # the rows that may want any: lo < the slot's end, as the loop below says
+            pick = self._active(slots[:n], computed[:n], drafts, n)
+            if len(pick) > PLAIN_BATCH:
+                return None
+            rows = pick.tolist()
+        else:
+            pick, rows = slice(0, n), range(n)
+        slots = np.asarray(slots)[pick].tolist()
         if any(s not in self._plain and s in self._by_slot for s in slots):
             return None  # a request of many runs
-        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
-        drafts = drafts[:n].tolist() if drafts is not None else [0] * n
-        out, max_len = [], self._max_len
-        scheduled = np.asarray(input_batch.num_scheduled_tokens[:n]).tolist()
-        for slot, done, tokens, slack in zip(slots, computed[:n].tolist(), scheduled, drafts):
+        drafts = np.asarray(drafts)[pick].tolist() if drafts is not None else [0] * len(slots)
+        scheduled = np.asarray(input_batch.num_scheduled_tokens)[pick].tolist()
+        out, max_len = [0] * n, self._max_len
+        for i, slot, done, tokens, slack in zip(rows, slots, np.asarray(computed)[pick].tolist(),
+                                                scheduled, drafts):
             wants = self._plain.get(slot)
             lo = max(done - slack, 0)
             if wants is None or lo >= wants[1]:
-                out.append(0)
                 continue
-            hi, rows = min(done + tokens, max_len), 0
+            hi, count_rows = min(done + tokens, max_len), 0
             for starts, ends, per in wants[0]:
                 count = sum(max(min(e, hi) - max(s, lo), 0) for s, e in zip(starts, ends))
-                rows += per * min(count, tokens)
-            out.append(rows)
+                count_rows += per * min(count, tokens)
+            out[i] = count_rows
         return out
+
+    def _active(self, slots, computed, drafts, n: int) -> np.ndarray:
+        """Batch rows whose request may want a position from this step on (the window's
+        start before its Wants.end); slots the table never held want none."""
+        slots = np.asarray(slots, np.int64)
+        lo = computed.astype(np.int64) - drafts[:n] if drafts is not None else computed
+        ends = self._ends
+        if len(slots) and int(slots.max()) >= len(ends):
+            ends = np.concatenate([ends, np.zeros(int(slots.max()) + 1 - len(ends), np.int64)])
+        return np.flatnonzero(lo < ends[slots])
 
     def _table(self) -> tuple[np.ndarray, ...]:
         """(run starts, run ends, each run's rule, each rule's slot, each rule's rows per
