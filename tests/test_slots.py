@@ -108,3 +108,34 @@ def test_a_plain_request_stages_no_row_where_the_slot_is_inactive():
     assert block._dirty == {1}
     block.apply()
     assert block.gpu.tolist() == block.host.tolist() == [[-1, -1, -1]] * 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(depth=st.integers(2, 4),
+       steps=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=6), max_size=12))
+def test_staged_rows_stay_put_until_the_device_may_have_read_them(depth, steps):
+    """Each apply stages its rows in the next of `depth` host buffers, which the device
+    reads when it runs the step, up to depth - 1 steps later: what an apply staged is
+    still there, unchanged, through the next depth - 1 applies, whatever they write;
+    and after every apply the device block equals the host's."""
+    layout = SlotLayout()
+    f = layout.reserve((3,), torch.int32, -1.0)
+    block = SlotBlock(layout, slots=6, device=torch.device("cpu"), staging_depth=depth)
+    staged = []  # (index view, values view, what they held when staged)
+    for n, slots in enumerate(steps):
+        for slot in slots:
+            block.reset(slot, block.group([f]), claim=True)
+            block.host_view(f)[slot] = (n, slot, n * slot)
+        rows = sorted(set(slots))
+        index, values = block.staging.stage(np.array(rows), block.host)
+        staged.append((index, values, index.clone(), values.clone()))
+        assert index.tolist() == rows and values.tolist() == block.host[rows].tolist()
+        block._dirty.clear()
+        block.gpu.index_copy_(0, index, values)
+        assert np.array_equal(block.gpu.numpy(), block.host)
+        for index, values, was_index, was_values in staged[-depth:]:
+            assert torch.equal(index, was_index) and torch.equal(values, was_values)
+    for slot in range(6):  # apply() goes the same way
+        block.reset(slot, block.group([f]), claim=None)
+    block.apply()
+    assert np.array_equal(block.gpu.numpy(), block.host)

@@ -58,7 +58,10 @@ def _sizes(vllm_config, config: HookConfig, sites, patterns: bool,
                  max_probes=config.max_probes, probe_width=config.probe_width,
                  probe_rows=config.probe_rows,
                  probe_ring=config.probe_ring, max_spans=config.max_spans,
-                 mass_rows=config.mass_rows)
+                 mass_rows=config.mass_rows,
+                 # steps the engine may run ahead of the device (async scheduling,
+                 # pipeline stages): vLLM's own staged-write buffers count the same
+                 staging_depth=max(2, getattr(vllm_config, "max_concurrent_batches", 2)))
 
 
 def _widths(vllm_config) -> dict[str, tuple[int, int]]:

@@ -39,6 +39,7 @@ class Sizes:
     probe_ring: int = 16  # generated positions per slot and entry in the probe ring
     max_spans: int = 8  # attention mass (with patterns): spans per entry
     mass_rows: int = 1
+    staging_depth: int = 2  # the slot block's staged-write buffers (slots.Staging)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def allocate(s: Sizes, backend: Backend, device: torch.device) -> EngineTables:
     mass = MassFields(_entries(layout, s.max_captures, words, s.num_heads),
                       layout.reserve((s.max_captures, s.max_spans, 2), torch.int32, 0)) \
         if s.patterns else None
-    block = SlotBlock(layout, s.max_reqs + 1, device)
+    block = SlotBlock(layout, s.max_reqs + 1, device, s.staging_depth)
     f32 = dict(dtype=torch.float32, device=device)
     ops = OpTables(
         tok_slot=torch.full((s.max_tokens,), s.max_reqs, dtype=torch.int64, device=device),
