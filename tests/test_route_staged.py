@@ -121,3 +121,19 @@ def test_buckets_cover_every_token_count():
     g = RouteGraphs([1024, 2048, 2560], lambda n: None, {}, capture=graphs_on_cpu)
     assert [g.sizes[g.bucket(n)] for n in (1, 1024, 1025, 2049, 2560)] == \
         [1024, 1024, 2048, 2560, 2560]
+
+
+def test_positions_are_staged_only_when_the_step_reads_them():
+    """The staged router copies the step's positions into tok_pos where asked (a row
+    family routes, or a z op steers: both read them there), and leaves them otherwise
+    (residual steering reads the model's own)."""
+    from graphtap.ops.backend import _triton
+
+    et = engine(_triton(False))
+    router = TokenRouter(et.ops)
+    b = batch([5, 6], [2, 3], 16, seed=0)
+    et.ops.tok_pos.fill_(-1)
+    router.route(b, positions=False)
+    assert (et.ops.tok_pos == -1).all()
+    router.route(b, positions=True)
+    assert torch.equal(et.ops.tok_pos[:16], b.positions[:16])

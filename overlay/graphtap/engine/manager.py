@@ -251,8 +251,12 @@ class EngineHooks(HookManager):
                     [family.plan(input_batch) for family in self.families]
             with clock.phase("prepare_route_tokens"):
                 if any(plans):
-                    self.router.route(input_batch,
-                                      positions=self.steer.steers_heads(input_batch))
+                    # tok_pos is read by the z op and the staged row routing only: a
+                    # step that steers the residual alone copies no positions
+                    rows = any(plan for family, plan in zip(self.families, plans)
+                               if family is not self.steer)
+                    self.router.route(input_batch, positions=rows or
+                                      self.steer.steers_heads(input_batch))
                 else:
                     self.router.deactivate()
             with clock.phase("prepare_route_rows"):

@@ -78,11 +78,11 @@ class TokenRouter:
 
     # ---------------------------------------------------------------- steps
     def route(self, input_batch, positions: bool = True) -> None:
-        """Map the step's token rows; `positions`: a request of the step needs tok_pos
-        (head steering), so copy them too (they move every step, whatever the layout).
-        Staged routing always copies them: the row routing reads them there."""
+        """Map the step's token rows; `positions`: the step reads tok_pos (head steering;
+        staged row routing, which reads them there), so copy them too (they move every
+        step, whatever the layout). Unstaged row routing reads the batch's own."""
         n = input_batch.num_tokens_after_padding
-        if self.staged or (self.positions and positions):
+        if positions and (self.staged or self.positions):
             self.t.tok_pos[:n].copy_(input_batch.positions[:n], non_blocking=True)
         layout = (tuple(input_batch.req_ids), input_batch.num_tokens, n,
                   input_batch.query_start_loc_np[: input_batch.num_reqs + 1].tobytes())
