@@ -49,7 +49,8 @@ def batch(lengths: list[int], slots: list[int], padded: int, seed: int):
         num_tokens_after_padding=padded, query_start_loc_np=qsl,
         # vLLM's persistent buffers hold stale values past the batch's requests
         query_start_loc=torch.cat([torch.from_numpy(qsl), torch.tensor([7, 3], dtype=torch.int32)]),
-        idx_mapping=torch.tensor(slots + [2, 1], dtype=torch.int32), positions=positions)
+        idx_mapping=torch.tensor(slots + [2, 1], dtype=torch.int32),
+        idx_mapping_np=np.array(slots + [2, 1], np.int32), positions=positions)
 
 
 STEPS = [  # (lengths, slots, padded): a new layout, the same layout (its token routing

@@ -126,7 +126,7 @@ def check(max_reqs: int = 64, cases: int = 200, seed: int = 0) -> dict:
         b = SimpleNamespace(req_ids=[f"r{s}" for s in slots], num_reqs=reqs,
                             num_tokens=int(qsl[-1]), num_tokens_after_padding=n,
                             query_start_loc_np=qsl, query_start_loc=torch.from_numpy(qsl).to(DEV),
-                            idx_mapping=torch.from_numpy(slots).to(DEV),
+                            idx_mapping=torch.from_numpy(slots).to(DEV), idx_mapping_np=slots,
                             positions=torch.from_numpy(pos).to(DEV))
         for router, t in ((grouter, gt.ops.capture), (rrouter, rt.ops.capture)):
             router.route(b)

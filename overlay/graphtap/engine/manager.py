@@ -128,15 +128,16 @@ class EngineHooks(HookManager):
         patterns = any(s.kind == PATTERN for s in self.sites.sites)
         backend = select_backend(device)
         widths = _widths(vllm_config)
-        tables = allocate(_sizes(vllm_config, self.config, self.sites, patterns,
-                                 max(w for w, _ in widths.values())), backend, device)
+        sizes = _sizes(vllm_config, self.config, self.sites, patterns,
+                       max(w for w, _ in widths.values()))
+        tables = allocate(sizes, backend, device)
         self.op_tables = tables.ops  # what the graph ops read (ops/running.py)
         self.split = head_split(vllm_config)  # this rank's heads
         self.op_tables.site_cols.update(self.split.site_columns(self.sites))
         self.slots = tables.slots
         # Heads are steered at z, whose slot has no positions: the router copies them.
         self.router = TokenRouter(tables.ops, positions=any(
-            s.kind == "attn_z" for s in self.sites.sites))
+            s.kind == "attn_z" for s in self.sites.sites), staging_depth=sizes.staging_depth)
         rows = dict(backend=backend, sites=self.sites, max_len=mc.max_model_len,
                     model_dtype=mc.dtype, split=self.split)
         bank = VectorBank(tables.ops.steer)  # resident vectors: steering and probe weights

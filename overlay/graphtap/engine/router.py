@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 
 from graphtap.engine import route_graphs
+from graphtap.engine.slots import HostRing
 from graphtap.ops.tables import OpTables, RowTables
 
 
 class TokenRouter:
     """The step's token row -> (request slot, batch row) map, kept in OpTables."""
 
-    def __init__(self, tables: OpTables, positions: bool = False):
+    def __init__(self, tables: OpTables, positions: bool = False, staging_depth: int = 2):
         self.t = tables
         self.positions = positions  # keep tok_pos (ops at slots without positions)
         self._last_layout: tuple | None = None
@@ -25,11 +26,15 @@ class TokenRouter:
         self.graphs: route_graphs.RouteGraphs | None = None
         self.replays = 0  # graph replays so far (stats: proof the engine used them)
         self.staged = tables.backend.device_counts
-        if self.staged:  # the batch's layout at fixed addresses (route_tokens_triton)
+        if self.staged:
+            # The batch's layout at fixed addresses (route_tokens_triton): the request
+            # count, query_start_loc and idx_mapping in one block, written on the host
+            # from the batch's host arrays and copied in one call (three launches before)
             device, slots = tables.tok_slot.device, tables.sentinel + 1
-            self._qsl = torch.zeros(slots + 1, dtype=torch.int32, device=device)
-            self._idx = torch.zeros(slots, dtype=torch.int32, device=device)
-            self._nreq = torch.zeros(1, dtype=torch.int32, device=device)
+            self._layout = torch.zeros(2 * slots + 2, dtype=torch.int32, device=device)
+            self._nreq, self._qsl, self._idx = \
+                self._layout[:1], self._layout[1:slots + 2], self._layout[slots + 2:]
+            self._ring = HostRing((2 * slots + 2,), torch.int32, device, staging_depth)
         if tables.backend.name != "torch":
             # Compile the kernel now, not in the first hooked step (only the sentinel
             # request, one token).
@@ -94,10 +99,7 @@ class TokenRouter:
                                         input_batch.query_start_loc,
                                         input_batch.idx_mapping, n, num_reqs)
         else:
-            self._qsl[:num_reqs + 1].copy_(input_batch.query_start_loc[:num_reqs + 1],
-                                           non_blocking=True)
-            self._idx[:num_reqs].copy_(input_batch.idx_mapping[:num_reqs], non_blocking=True)
-            self._nreq.fill_(num_reqs)
+            self._stage_layout(input_batch, num_reqs)
             if self.graphs is not None:
                 self.graphs.tokens(n)
                 self.replays += 1
@@ -105,6 +107,14 @@ class TokenRouter:
                 self._launch_tokens(n)
         self._last_layout = layout
         self._idle = False
+
+    def _stage_layout(self, input_batch, num_reqs: int) -> None:
+        host, layout = self._ring.take()
+        slots = self._idx.shape[0]
+        layout[0] = num_reqs
+        layout[1:num_reqs + 2] = input_batch.query_start_loc_np[:num_reqs + 1]
+        layout[slots + 2:slots + 2 + num_reqs] = input_batch.idx_mapping_np[:num_reqs]
+        self._layout.copy_(host, non_blocking=True)
 
     def route_rows(self, t: RowTables, input_batch, max_len: int) -> None:
         """A row family's units of this step (after `route`)."""

@@ -74,44 +74,57 @@ class FieldGroup:
     clean: bytearray
 
 
-class Staging:
-    """Round-robin host buffers a step's changed rows reach the device from: `depth`
-    of them, so the rows staged for a step stay as they were until the device has read
-    them (the engine runs at most max_concurrent_batches steps ahead of the device, as
-    vLLM's UvaBufferPool assumes for the staged writes beside these). On a GPU they are
-    pinned and read by the index copy through their device view (UVA, vLLM's); elsewhere
-    the copy reads them directly."""
+class HostRing:
+    """`depth` host tensors of one shape, taken in turn: what a step wrote into one stays
+    as it was until the device has read it, `depth` - 1 steps on at the latest (the
+    engine runs at most max_concurrent_batches steps ahead of the device, as vLLM's
+    UvaBufferPool assumes for its staged writes). Pinned on a GPU: the device reads them
+    through their UVA view, or a non-blocking copy from one is one asynchronous call."""
 
-    def __init__(self, rows: int, width: int, device: torch.device, depth: int):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 depth: int):
         assert depth >= 2, depth
-        self._pinned = device.type == "cuda"
-        self._host = [(torch.zeros(rows, dtype=torch.int64, pin_memory=self._pinned),
-                       torch.zeros((rows, width), dtype=torch.int32, pin_memory=self._pinned))
+        self.pinned = device.type == "cuda"
+        self._bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.pinned)
                       for _ in range(depth)]
-        self._bufs: list[tuple] | None = None  # made at the first stage (below)
+        self._np = [b.numpy() for b in self._bufs]
         self._next = 0
 
+    def take(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The next buffer, as a tensor and as its numpy view."""
+        i = self._next
+        self._next = (i + 1) % len(self._bufs)
+        return self._bufs[i], self._np[i]
+
+
+class Staging:
+    """A step's changed rows and their indices, in host rings the index copy reads
+    (through their device view on a GPU: vLLM's UVA view, made at first use, so tools
+    that allocate tables and never stage a row, benchmarks/gpu/check_kernels.py, need
+    no vLLM)."""
+
+    def __init__(self, rows: int, width: int, device: torch.device, depth: int):
+        self._index = HostRing((rows,), torch.int64, device, depth)
+        self._values = HostRing((rows, width), torch.int32, device, depth)
+        self._views: dict[int, torch.Tensor] = {}  # a pinned buffer's id -> its view
+
     def stage(self, rows: np.ndarray, host: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' indices and their host values, in the next buffer: its device views."""
-        if self._bufs is None:
-            # the device views at first use: tools that allocate tables and never stage
-            # a row (benchmarks/gpu/check_kernels.py) need no vLLM
-            self._bufs = [(i.numpy(), v.numpy(), _device_view(i, self._pinned),
-                           _device_view(v, self._pinned)) for i, v in self._host]
-        index, values, index_dev, values_dev = self._bufs[self._next]
-        self._next = (self._next + 1) % len(self._bufs)
+        """The rows' indices and their host values, in the rings' next buffers."""
+        (index, index_np), (values, values_np) = self._index.take(), self._values.take()
         k = len(rows)
-        index[:k] = rows
-        np.take(host, rows, axis=0, out=values[:k])
-        return index_dev[:k], values_dev[:k]
+        index_np[:k] = rows
+        np.take(host, rows, axis=0, out=values_np[:k])
+        return self._view(index)[:k], self._view(values)[:k]
 
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._index.pinned:
+            return t
+        view = self._views.get(id(t))
+        if view is None:
+            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
-def _device_view(t: torch.Tensor, pinned: bool) -> torch.Tensor:
-    if not pinned:
-        return t
-    from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
-
-    return get_accelerator_view_from_cpu_tensor(t)
+            view = self._views[id(t)] = get_accelerator_view_from_cpu_tensor(t)
+        return view
 
 
 class SlotBlock:
