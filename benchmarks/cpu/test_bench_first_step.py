@@ -157,19 +157,25 @@ def engine_hooks():
         GraphtapFrontend.for_engine(cfg, load_hook_config(hook_config))
 
 
-@pytest.mark.parametrize("mode", ["plain", "hs"])
+MODES = {"plain": None,
+         "steer": {"steer": [{"site": "blocks.16.hook_resid_post", "op": "add", "scale": 1.0,
+                              "vector": [0.25] * H, "positions": "all"}]},
+         "hs": {"capture": [{"site": f"blocks.{layer}.hook_resid_post",
+                             "positions": "last_prompt"} for layer in HS]}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_admission_step(benchmark, mode):
     """The worker's part of a burst's admission step: 32 requests added to the hook
     manager (every family) and the step's staged writes applied (then removed again,
-    untimed). plain: requests without hooks; hs: 3 last-prompt residual captures. Per
-    request: the figure / 32; the difference is what a capturing request's first token
-    waits for beyond a plain one's."""
+    untimed). plain: requests without hooks; steer: bench_tpot's steering (one 4096-wide
+    vector, every position; the vector resident after the first); hs: 3 last-prompt
+    residual captures. Per request: the figure / 32; the difference is what a hooked
+    request's first token waits for beyond a plain one's."""
     from vllm import SamplingParams
 
     manager, frontend = engine_hooks()
-    params = SamplingParams(max_tokens=8, hooks={"capture": [
-        {"site": f"blocks.{layer}.hook_resid_post", "positions": "last_prompt"}
-        for layer in HS]} if mode == "hs" else None)
+    params = SamplingParams(max_tokens=8, hooks=MODES[mode])
     frontend.process_request("x", params, None, PROMPT)  # its wire form, as the engine gets it
     reqs = [NS(req_id=f"r{i}", prompt_len=PROMPT, sampling_params=params) for i in range(32)]
 
@@ -186,3 +192,4 @@ def test_admission_step(benchmark, mode):
 
     benchmark.pedantic(admit, setup=removed, rounds=200)
     assert manager.stats()["capture"]["requests"] == (32 if mode == "hs" else 0)
+    assert manager.stats()["steer"]["requests"] == (32 if mode == "steer" else 0)
