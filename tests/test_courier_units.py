@@ -157,12 +157,12 @@ def test_a_step_copies_home_only_the_columns_its_formats_read():
 
 
 def test_head_runs_copy_adjacent_heads_as_slices_in_the_order_asked():
-    from graphtap.courier.rows import _head_runs
+    from graphtap.courier.pack import head_runs
 
-    assert _head_runs((0, 1, 2, 3)) == ((0, 0, 4),)
-    assert _head_runs((5, 2, 3)) == ((0, 5, 1), (1, 2, 2))
-    assert _head_runs((3, 2)) == ((0, 3, 1), (1, 2, 1))
-    assert _head_runs((1, 1)) == ((0, 1, 1), (1, 1, 1))
+    assert head_runs((0, 1, 2, 3)) == ((0, 0, 4),)
+    assert head_runs((5, 2, 3)) == ((0, 5, 1), (1, 2, 2))
+    assert head_runs((3, 2)) == ((0, 3, 1), (1, 2, 1))
+    assert head_runs((1, 1)) == ((0, 1, 1), (1, 1, 1))
 
 
 def test_every_split_result_serialises_like_vllm_sends_it():
@@ -279,7 +279,8 @@ def test_uniform_steps_split_in_array_passes_as_in_plain_python(data):
     request (a site fewer, another position count, another dtype, a request gone, a
     site large enough to travel alone) go through the general passes, alike too."""
     from graphtap.courier.pack import SOLO_BYTES, row_bytes
-    from graphtap.courier.rows import ORDER, _pack_format
+    from graphtap.courier.pack import pack_format
+    from graphtap.courier.rows import ORDER
     from graphtap.courier.uniform import split_uniform
 
     width = 16
@@ -327,10 +328,10 @@ def test_uniform_steps_split_in_array_passes_as_in_plain_python(data):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
     snap = step(rows, label_t, len(labels), live, formats, names)
     sorted_labels, perm = snap.sorted_labels(ORDER)
-    took = split_uniform(snap, sorted_labels, perm, ORDER, _pack_format) is not None
+    took = split_uniform(snap, sorted_labels, perm, ORDER) is not None
     # the array path took the uniform passes exactly where every request asks the same
     # in one pack of two rows or more
     differs = odd != "none" and len(slots) > 1 and (odd != "site" or len(sites) > 1)
-    packs = {_pack_format(formats[slots[0]][s]) for s in per_slot[slots[0]]}
+    packs = {pack_format(formats[slots[0]][s]) for s in per_slot[slots[0]]}
     small = max(counts.values()) * row_bytes(next(iter(packs))) < SOLO_BYTES
     assert took == (not differs and len(packs) == 1 and small and len(labels) > 1)

@@ -6,7 +6,8 @@ from graphtap.courier.chunks import Overflow, OverflowKind, RequestErrors
 from graphtap.courier.held_chunks import holds_outputs
 from graphtap.courier.patterns import PatternFormat, PatternStep
 from graphtap.courier.payload import open_chunks, open_payload, seal
-from graphtap.courier.rows import CaptureStep, RowFormat, columns
+from graphtap.courier.pack import columns
+from graphtap.courier.rows import CaptureStep, RowFormat
 from graphtap.courier.save import Saver
 from graphtap.courier.snapshot import LabelledStep, StepRows, StepSnapshots
 

@@ -16,18 +16,16 @@ cast, heads that are not one run, a value large enough to travel as a frame) ret
 None and goes the chunk way."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from graphtap.courier.chunks import positions_key
-from graphtap.courier.pack import SOLO_BYTES, pack_key, row_bytes
+from graphtap.courier.pack import SOLO_BYTES, column_span, pack_format, pack_key, row_bytes
 from graphtap.courier.payload import _NAMES, INLINE_BYTES, Inline
 
 
 def plain_groups(labels: np.ndarray, formats: dict, site_names: dict[int, str],
-                 slot_to_req: dict[int, str], pack_format: Callable):
+                 slot_to_req: dict[int, str]):
     """The plain-Python walk of a small step that CaptureStep._split_small and the direct
     seal share: per value of a request's chunk, in the chunk's order, (request id, key,
     format, buffer rows, index). Per request (by slot), each site with SOLO_BYTES of
@@ -57,15 +55,15 @@ def plain_groups(labels: np.ndarray, formats: dict, site_names: dict[int, str],
 
 
 def seal_small(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats: dict,
-               site_names: dict[int, str], slot_to_req: dict[int, str],
-               pack_format: Callable) -> dict[str, dict[str, Inline]] | None:
+               site_names: dict[int, str],
+               slot_to_req: dict[int, str]) -> dict[str, dict[str, Inline]] | None:
     """Per request its values as seal() of _split_small's chunk would hold them, in the
     same order (plain_groups). `raw`: the step copy's rows as bytes ([rows, columns x
     itemsize] uint8); `dtype`: the rows' dtype."""
     cut = _Cutter(raw, dtype)
     out: dict[str, dict[str, Inline]] = {}
     for req, key, fmt, rows, index in plain_groups(labels, formats, site_names,
-                                                   slot_to_req, pack_format):
+                                                   slot_to_req):
         values = cut(fmt, rows)
         if values is None:
             return None
@@ -75,8 +73,9 @@ def seal_small(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats:
 
 
 class _Cutter:
-    """Rows of the step copy in an output format, as Inline values (CaptureStep._gather's
-    columns and shapes); None for what only the tensor path does."""
+    """Rows of the step copy in an output format, as Inline values (the columns and
+    shapes of CaptureStep._gather: pack.column_span); None for what only the tensor path
+    does."""
 
     def __init__(self, raw: np.ndarray, dtype: torch.dtype):
         self.raw, self.dtype, self.name = raw, dtype, _NAMES.get(dtype)
@@ -98,19 +97,12 @@ class _Cutter:
 
     def _span(self, fmt) -> tuple[int, int, tuple[int, ...]] | None:
         """(first byte, end byte, shape after the row count) of a format's columns."""
-        dtype, width, heads, head_dim = fmt
-        if dtype != self.dtype or self.name is None:
+        if fmt.dtype != self.dtype or self.name is None:
             return None  # a cast
-        lo, hi = 0, min(width, self.columns)
-        if heads is None and head_dim:  # every head (a narrowed row may end mid-head)
-            hi = hi // head_dim * head_dim
-        elif heads is not None:
-            first, count = heads[0], len(heads)
-            if tuple(heads) != tuple(range(first, first + count)):
-                return None  # heads in runs: _cut's copies
-            lo, hi = first * head_dim, (first + count) * head_dim
-            if hi > self.columns:
-                return None
+        lo, hi, cut = column_span(fmt, self.columns)
+        if cut or hi > self.columns:
+            return None  # heads in runs (_cut's copies), or columns the copy lacks
+        head_dim = fmt.head_dim
         tail = ((hi - lo) // head_dim, head_dim) if head_dim else (hi - lo,)
         return lo * self.size, hi * self.size, tail
 

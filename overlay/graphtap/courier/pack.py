@@ -7,8 +7,13 @@ Per output format, one rows tensor holds the request's sites one after another, 
 `PACK` + the site names in that order; `positions_key` of that key holds an int64 index:
 the rows of each site, then every row's position. A site with SOLO_BYTES of rows or
 more in the step keeps its own two entries (name, positions_key(name)). The frontend
-unpacks a chunk before it merges the steps (assemble.py)."""
+unpacks a chunk before it merges the steps (assemble.py).
+
+Here too the output formats' columns (columns, pack_format, column_span, head_runs),
+which the step's split (rows.py), its uniform split and the direct seal read alike."""
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -42,6 +47,46 @@ def row_bytes(fmt) -> int:
     """Bytes of one row in an output format (courier.rows.RowFormat)."""
     dtype, width, heads, head_dim = fmt
     return dtype.itemsize * (len(heads) * head_dim if heads is not None else width)
+
+
+def columns(fmt) -> int:
+    """Buffer columns an output format reads: its site's width, or with chosen heads up
+    to the last of them (rows hold every head in order; the cut takes the chosen ones)."""
+    _, width, heads, head_dim = fmt
+    return width if heads is None else (max(heads) + 1) * head_dim
+
+
+def pack_format(fmt):
+    """The format rows share a pack in: chosen heads read the same columns of any site
+    (q and k of heads 0-3 alike), whatever its width."""
+    return fmt if fmt.heads is None else fmt._replace(width=columns(fmt))
+
+
+def column_span(fmt, available: int) -> tuple[int, int, bool]:
+    """(first, end) of the buffer columns an output format's rows are read from, in a
+    step copy of `available` columns, and whether its chosen heads must then be cut
+    apart (they are not one run): the courier's copies and the direct seal alike."""
+    _, width, heads, head_dim = fmt
+    if heads is None:  # the whole row; every head (a narrowed row may end mid-head)
+        end = min(width, available)
+        return 0, end // head_dim * head_dim if head_dim else end, False
+    runs = head_runs(heads)
+    if len(runs) == 1:  # the usual: heads a..b, one block of columns
+        return runs[0][1] * head_dim, (runs[0][1] + runs[0][2]) * head_dim, False
+    return 0, columns(fmt), True
+
+
+@functools.lru_cache(maxsize=256)
+def head_runs(heads: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(output index, source head, count) per run of consecutive heads, in the order
+    asked: (0, 1, 2, 3) is one run, (5, 2, 3) two."""
+    runs: list[list[int]] = []
+    for i, h in enumerate(heads):
+        if runs and h == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, h, 1])
+    return tuple(tuple(r) for r in runs)
 
 
 def packed_index(counts: np.ndarray, sites: np.ndarray, rows: np.ndarray,

@@ -4,7 +4,6 @@ asked for (dtype, chosen heads), packed per format (pack.py) in tensors of their
 caching host allocator)."""
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -12,8 +11,8 @@ import torch
 
 from graphtap.courier.chunks import ERROR, error_tensor, positions_key
 from graphtap.courier.direct import plain_groups, seal_small
-from graphtap.courier.pack import (SOLO_BYTES, pack_key, packed_index, ramp, row_bytes,
-                                   run_starts)
+from graphtap.courier.pack import (SOLO_BYTES, column_span, head_runs, pack_format, pack_key,
+                                   packed_index, ramp, row_bytes, run_starts)
 from graphtap.courier.sink import SinkFailed
 from graphtap.courier.sink_labels import SlotRequests
 from graphtap.courier.snapshot import LabelledStep
@@ -105,7 +104,7 @@ class CaptureStep(LabelledStep):
             return {}
         return seal_small(self.labels.numpy()[:used, :HOST_LABELS],
                           self.rows.view(torch.uint8).numpy(), self.rows.dtype, self.formats,
-                          self.site_names, self.slot_to_req, _pack_format)
+                          self.site_names, self.slot_to_req)
 
     def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:
         """The rows `keep` marks (all: None), per request: per output format one pack of
@@ -121,12 +120,12 @@ class CaptureStep(LabelledStep):
         # sites has 192 groups, and the H200 host was ~50 us per copy.
         labels, perm = self.sorted_labels(ORDER, keep)
         if keep is None:  # a burst of one spec: one pack per request, in array passes
-            uniform = split_uniform(self, labels, perm, ORDER, _pack_format)
+            uniform = split_uniform(self, labels, perm, ORDER)
             if uniform is not None:
                 return uniform
         packs: dict[RowFormat, list[tuple[int, bool, int, int, int, str]]] = {}
         for req, slot, site, start, end, _, _ in self.spans(labels, perm, SLOT, SITE):
-            fmt = _pack_format(self.formats[slot][site])
+            fmt = pack_format(self.formats[slot][site])
             solo = (end - start) * row_bytes(fmt) >= SOLO_BYTES
             packs.setdefault(fmt, []).append((slot, solo, site, start, end - start, req))
         out: dict[str, dict[str, torch.Tensor]] = {}
@@ -172,7 +171,7 @@ class CaptureStep(LabelledStep):
         out: dict[str, dict[str, torch.Tensor]] = {}
         for req, key, fmt, rows, index in plain_groups(
                 self.labels[:used, :HOST_LABELS].numpy(), self.formats, self.site_names,
-                self.slot_to_req, _pack_format):
+                self.slot_to_req):
             chunk = out.setdefault(req, {})
             chunk[key] = self._gather(np.array(rows, np.int64), fmt)
             chunk[positions_key(key)] = torch.tensor(index, dtype=torch.int64)
@@ -182,16 +181,8 @@ class CaptureStep(LabelledStep):
         """Buffer rows `rows` in an output format, as a new contiguous tensor: one copy
         (a slice where they are one run, else one index_select of the columns read),
         a second pass only for a cast or chosen heads that are not one run."""
-        dtype, width, heads, head_dim = fmt
-        lo, hi, cut = 0, min(width, self.rows.shape[1]), False
-        if heads is None and head_dim:  # every head (a row narrowed to it may end mid-head)
-            hi = hi // head_dim * head_dim
-        elif heads is not None:
-            runs = _head_runs(heads)
-            if len(runs) == 1:  # the usual: heads a..b, one block of columns
-                lo, hi = runs[0][1] * head_dim, (runs[0][1] + runs[0][2]) * head_dim
-            else:
-                hi, cut = columns(fmt), True
+        dtype, head_dim = fmt.dtype, fmt.head_dim
+        lo, hi, cut = column_span(fmt, self.rows.shape[1])
         src = self.rows[:, lo:hi]
         first = int(rows[0])
         if rows[-1] - first + 1 == len(rows) and (np.diff(rows) == 1).all():
@@ -348,33 +339,7 @@ class CaptureStep(LabelledStep):
                 # was the top host op of a qk prefill step on the H200 host, and 11x
                 # slower here than copying the same 4 adjacent heads as one slice.
                 out = torch.empty((len(rows), len(heads), head_dim), dtype=dtype)
-                for dst, src, n in _head_runs(heads):
+                for dst, src, n in head_runs(heads):
                     out[:, dst:dst + n].copy_(data[:, src:src + n])
                 return out
         return data.to(dtype, copy=True).contiguous()
-
-
-def columns(fmt: RowFormat) -> int:
-    """Buffer columns an output format reads: its site's width, or with chosen heads up
-    to the last of them (rows hold every head in order; _cut takes the chosen ones)."""
-    _, width, heads, head_dim = fmt
-    return width if heads is None else (max(heads) + 1) * head_dim
-
-
-@functools.lru_cache(maxsize=256)
-def _head_runs(heads: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
-    """(output index, source head, count) per run of consecutive heads, in the order
-    asked: (0, 1, 2, 3) is one run, (5, 2, 3) two."""
-    runs: list[list[int]] = []
-    for i, h in enumerate(heads):
-        if runs and h == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([i, h, 1])
-    return tuple(tuple(r) for r in runs)
-
-
-def _pack_format(fmt: RowFormat) -> RowFormat:
-    """The format rows share a pack in: chosen heads read the same columns of any site
-    (q and k of heads 0-3 alike), whatever its width."""
-    return fmt if fmt.heads is None else fmt._replace(width=columns(fmt))

@@ -10,17 +10,16 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import positions_key
-from graphtap.courier.pack import SOLO_BYTES, pack_key, row_bytes, run_starts
+from graphtap.courier.pack import SOLO_BYTES, pack_format, pack_key, row_bytes, run_starts
 from graphtap.courier.snapshot import group_keys
 
 
-def split_uniform(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[int, int, int],
-                  pack_format) -> dict[str, dict[str, torch.Tensor]] | None:
+def split_uniform(step, labels: np.ndarray, perm: np.ndarray,
+                  cols: tuple[int, int, int]) -> dict[str, dict[str, torch.Tensor]] | None:
     """`step`'s split (a CaptureStep) from its sorted labels (sorted_labels: each
     (slot, site) group one run, in position order) and the buffer row of each, where
     its requests are uniform; None where they are not (the array passes then split
-    it). `cols`: the slot, site and position columns; `pack_format`: the format rows
-    share a pack in."""
+    it). `cols`: the slot, site and position columns."""
     slot_col, site_col, pos_col = cols
     n = len(labels)
     if n < 2:
