@@ -138,3 +138,12 @@ def test_positions_are_staged_only_when_the_step_reads_them():
     assert (et.ops.tok_pos == -1).all()
     router.route(b, positions=True)
     assert torch.equal(et.ops.tok_pos[:16], b.positions[:16])
+
+
+def test_the_gpu_staging_check_passes_on_the_cpu():
+    """benchmarks/gpu/check_staging.py's checks, here on the CPU (copies are synchronous:
+    the device's lag is the GPU run's to show), so the script never rots."""
+    from benchmarks.gpu.check_staging import check_router, check_slot_block
+
+    assert check_slot_block(rounds=5) == 0
+    assert check_router(rounds=5) == 0
