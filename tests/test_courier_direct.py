@@ -56,8 +56,61 @@ def steps(draw):
     return width, pool, kinds, labels, formats
 
 
+@st.composite
+def uniform_steps(draw):
+    """Steps whose requests all ask the same: the same sites, formats and rows per site
+    (their positions their own), in the device's site-major order or shuffled; at
+    times one request asks otherwise, or a slot's request went."""
+    width = draw(st.sampled_from([16, 4096]))
+    pool = fmt_pool(width)
+    slots = draw(st.lists(st.integers(0, 7), min_size=1, max_size=6, unique=True))
+    kinds = dict.fromkeys(draw(st.sets(st.integers(0, 3), min_size=1, max_size=3)))
+    kinds = {site: draw(st.sampled_from(sorted(pool))) for site in kinds}
+    rows_at = {site: draw(st.integers(1, 4)) for site in kinds}
+    labels = [(s, site, p) for site in sorted(kinds) for s in slots
+              for p in draw(st.sets(st.integers(0, 40), min_size=rows_at[site],
+                                    max_size=rows_at[site]))]
+    if draw(st.booleans()):
+        labels = draw(st.permutations(labels))
+    formats = {s: {site: pool[k] for site, k in kinds.items()} for s in slots}
+    odd = draw(st.sampled_from(["none", "format", "gone"]))
+    if odd == "format" and len(slots) > 1:  # one request asks another format
+        formats[slots[-1]] = {site: pool["f32" if k != "f32" else "resid"]
+                              for site, k in kinds.items()}
+    if odd == "gone":  # its rows and formats, no request id
+        labels = [(9 if s == slots[-1] else s, site, p) for s, site, p in labels]
+        formats[9] = formats[slots[-1]]
+    per_slot = {s: {site: kinds[site] for site in kinds} for s in slots}
+    if odd == "format" and len(slots) > 1:
+        per_slot[slots[-1]] = {site: "f32" if k != "f32" else "resid"
+                               for site, k in kinds.items()}
+    return width, pool, per_slot, labels, formats
+
+
+def test_uniform_steps_take_the_array_passes():
+    """A burst's steps of one spec are sealed in array passes (seal_uniform), not the
+    plain-Python walk; a step with one request asking otherwise is not."""
+    from graphtap.courier import direct
+
+    labels = [(r, site, 7 + r) for site in range(3) for r in range(4)]
+    fmt = RowFormat(torch.bfloat16, 16, None, 0)
+    rows = torch.randn(len(labels), 16).to(torch.bfloat16)
+    formats = {r: dict.fromkeys(range(3), fmt) for r in range(4)}
+    snap = make(rows, labels, len(labels), {r: f"r{r}" for r in range(4)}, formats)
+    args = (snap.labels.numpy()[:len(labels), :3], snap.rows.view(torch.uint8).numpy(),
+            torch.bfloat16, formats, NAMES, {r: f"r{r}" for r in range(4)})
+    got = direct.seal_uniform(*args)
+    assert got is not None and got == direct.seal_small(*args)
+    formats[3] = dict.fromkeys(range(3), RowFormat(torch.float32, 16, None, 0))
+    assert direct.seal_uniform(*args) is None
+    formats[3] = formats[0]  # slot 3's request went (its rows stay, no request id)
+    gone = args[:-1] + ({r: f"r{r}" for r in range(3)},)
+    assert direct.seal_uniform(*gone) is None and list(direct.seal_small(*gone)) == \
+        ["r0", "r1", "r2"]
+
+
 @settings(max_examples=150, deadline=None)
-@given(steps(), st.integers(0, 2**31))
+@given(st.one_of(steps(), uniform_steps()), st.integers(0, 2**31))
 def test_direct_payloads_equal_the_chunk_way(case, seed):
     width, pool, kinds, labels, formats = case
     used = len(labels)
@@ -82,6 +135,15 @@ def test_direct_payloads_equal_the_chunk_way(case, seed):
         assert values is not None and all(not p.frames for p in got.values())
     if not native:
         assert values is None
+    # the array passes (taken by steps of CaptureStep.uniform_rows rows or more) make
+    # what the plain walk does, wherever they take a step
+    from graphtap.courier import direct
+
+    args = (snap.labels.numpy()[:used, :3], snap.rows.view(torch.uint8).numpy(),
+            torch.bfloat16, formats, NAMES, slot_to_req)
+    uniform = direct.seal_uniform(*args) if used else None
+    if uniform is not None:
+        assert uniform == direct.seal_small(*args)
 
 
 def test_no_torch_call_per_request():

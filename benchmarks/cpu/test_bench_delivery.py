@@ -128,7 +128,8 @@ def test_split_and_seal_beside_a_busy_thread(benchmark, reqs, busy):
     engine core's busy loop prepares the next step in Python. A torch call releases
     the GIL: beside a busy thread each one may wait. Steps of up to
     CaptureStep.direct_rows rows are sealed straight from the host copy
-    (courier/direct.py); the chunk way made about 20 torch calls per request."""
+    (courier/direct.py); the chunk way made about 20 torch calls per request. From
+    CaptureStep.uniform_rows rows a step of one spec (decode64) is cut in array passes."""
     from graphtap.courier import StepSnapshots
 
     stop = threading.Event()

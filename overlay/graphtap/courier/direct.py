@@ -13,7 +13,8 @@ burst's first tokens wait for them.
 The payloads are byte for byte what payload.seal makes of CaptureStep._split_small's
 chunks (tests/test_courier_direct.py); a step this path cannot take whole (rows lost, a
 cast, heads that are not one run, a value large enough to travel as a frame) returns
-None and goes the chunk way."""
+None and goes the chunk way. A larger step whose requests all ask the same (a burst's
+decode step) is cut in array passes instead of the walk (seal_uniform)."""
 from __future__ import annotations
 
 import numpy as np
@@ -72,6 +73,57 @@ def seal_small(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats:
     return out
 
 
+def seal_uniform(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats: dict,
+                 site_names: dict[int, str],
+                 slot_to_req: dict[int, str]) -> dict[str, dict[str, Inline]] | None:
+    """seal_small's result for a step whose requests all ask the same (the prefill and
+    decode steps of a burst of one spec): the same sites, as many rows at each, one pack
+    in one format per request, every slot's request live. In array passes over the
+    step, not a Python pass per (request, site): one sort, one copy of the rows, one
+    index block, each request's values slices of them. None where the step is not so."""
+    n = len(labels)
+    if n < 2:
+        return None
+    slot, site, pos = labels[:, 0], labels[:, 1], labels[:, 2]
+    first = int(slot[0])
+    mine = slot == first
+    per = int(np.count_nonzero(mine))
+    own = formats.get(first)
+    if n % per or own is None:
+        return None
+    sites, counts = np.unique(site[mine], return_counts=True)
+    sites = sites.tolist()
+    fmt = pack_format(own[sites[0]])
+    if any(pack_format(own[s]) != fmt for s in sites[1:]) or \
+            int(counts.max()) * row_bytes(fmt) >= SOLO_BYTES:
+        return None  # packs of several formats, or a site on its own
+    order = np.lexsort((pos, site, slot))  # plain_groups' order: slot, site, position
+    reqs = n // per
+    by_req = slot[order].reshape(reqs, per)
+    slots = by_req[:, 0]
+    if (by_req != slots[:, None]).any() or (np.diff(slots) == 0).any() or \
+            (site[order].reshape(reqs, per) != site[order[:per]]).any():
+        return None  # requests with other rows, sites or rows per site
+    slots = slots.tolist()
+    ids = [slot_to_req.get(s) for s in slots]
+    if None in ids or any(formats.get(s) is not own and formats.get(s) != own for s in slots):
+        return None  # a request gone (its rows are left out), or asking otherwise
+    span = _Cutter(raw, dtype).span(fmt)
+    if span is None or per * (span[1] - span[0]) >= INLINE_BYTES:
+        return None
+    lo, hi, tail = span
+    data = raw[order, lo:hi].reshape(reqs, -1)  # one copy, request-major
+    index = np.empty((reqs, len(sites) + per), np.int64)
+    index[:, :len(sites)] = counts
+    index[:, len(sites):] = pos[order].reshape(reqs, per)
+    key = pack_key([site_names[s] for s in sites])
+    at, name = positions_key(key), _NAMES[dtype]
+    shape, ints = (per, *tail), (len(sites) + per,)
+    return {req: {key: Inline(name, shape, memoryview(data[r])),
+                  at: Inline("int64", ints, memoryview(index[r]))}
+            for r, req in enumerate(ids)}
+
+
 class _Cutter:
     """Rows of the step copy in an output format, as Inline values (the columns and
     shapes of CaptureStep._gather: pack.column_span); None for what only the tensor path
@@ -84,9 +136,7 @@ class _Cutter:
         self._spans: dict[tuple, tuple | None] = {}
 
     def __call__(self, fmt, rows: list[int]) -> Inline | None:
-        span = self._spans.get(fmt, False)
-        if span is False:
-            span = self._spans[fmt] = self._span(fmt)
+        span = self.span(fmt)
         if span is None:
             return None
         lo, hi, tail = span
@@ -95,8 +145,15 @@ class _Cutter:
         data = np.ascontiguousarray(self.raw[rows, lo:hi])
         return Inline(self.name, (len(rows), *tail), memoryview(data.reshape(-1)))
 
+    def span(self, fmt) -> tuple[int, int, tuple[int, ...]] | None:
+        """(first byte, end byte, shape after the row count) of a format's columns; None
+        for what only the tensor path does."""
+        span = self._spans.get(fmt, False)
+        if span is False:
+            span = self._spans[fmt] = self._span(fmt)
+        return span
+
     def _span(self, fmt) -> tuple[int, int, tuple[int, ...]] | None:
-        """(first byte, end byte, shape after the row count) of a format's columns."""
         if fmt.dtype != self.dtype or self.name is None:
             return None  # a cast
         lo, hi, cut = column_span(fmt, self.columns)

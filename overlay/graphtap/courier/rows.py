@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import ERROR, error_tensor, positions_key
-from graphtap.courier.direct import plain_groups, seal_small
+from graphtap.courier.direct import plain_groups, seal_small, seal_uniform
 from graphtap.courier.pack import (SOLO_BYTES, column_span, head_runs, pack_format, pack_key,
                                    packed_index, ramp, row_bytes, run_starts)
 from graphtap.courier.sink import SinkFailed
@@ -52,6 +52,10 @@ class CaptureStep(LabelledStep):
     # Steps of at most this many rows are sealed from the host copy (sealed(): a Python
     # pass over the rows, no tensor calls per request; test_bench_delivery.py)
     direct_rows = 512
+    # ... and from this many rows on, where every request asks the same, in array passes
+    # (direct.seal_uniform): their fixed cost (~40 us on the dev CPU) beats the Python
+    # pass's per row and group past some 10 requests' last-prompt rows at 3 sites
+    uniform_rows = 32
 
     def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
         # A sink step's rows go home on the sink's own stream: on vLLM's copy stream the
@@ -102,9 +106,10 @@ class CaptureStep(LabelledStep):
             return None
         if not used:
             return {}
-        return seal_small(self.labels.numpy()[:used, :HOST_LABELS],
-                          self.rows.view(torch.uint8).numpy(), self.rows.dtype, self.formats,
-                          self.site_names, self.slot_to_req)
+        args = (self.labels.numpy()[:used, :HOST_LABELS], self.rows.view(torch.uint8).numpy(),
+                self.rows.dtype, self.formats, self.site_names, self.slot_to_req)
+        uniform = seal_uniform(*args) if used >= self.uniform_rows else None
+        return uniform if uniform is not None else seal_small(*args)
 
     def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:
         """The rows `keep` marks (all: None), per request: per output format one pack of
