@@ -12,24 +12,12 @@ H, L, PROMPT = 256, 512, 16
 
 
 def manager():
-    from graphtap.config import load_hook_config
-    from graphtap.engine.manager import EngineHooks
-    from graphtap.frontend import GraphtapFrontend
+    from graphtap.testing.hook_manager import cpu_hook_manager
 
-    sites = ["blocks.2.hook_resid_post", "blocks.1.attn.hook_z"]
-    mc = NS(hf_text_config=NS(num_hidden_layers=4), get_hidden_size=lambda: H,
-            dtype=torch.float32, max_model_len=L, get_head_size=lambda: 64,
-            architectures=["LlamaForCausalLM"],
-            model_arch_config=NS(total_num_attention_heads=4), get_total_num_kv_heads=lambda: 2)
-    hook_config = {"sites": sites, "max_captures": 4, "capture_rows": 64}
-    cfg = NS(model_config=mc, scheduler_config=NS(max_num_seqs=8, max_num_batched_tokens=64),
-             compilation_config=NS(max_cudagraph_capture_size=16),
-             parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                data_parallel_size=1, _api_process_count=1),
-             speculative_config=None, device_config=NS(device_type="cpu"),
-             additional_config={"hook_config": hook_config})
-    return EngineHooks(cfg, None, "cpu"), \
-        GraphtapFrontend.for_engine(cfg, load_hook_config(hook_config))
+    return cpu_hook_manager(["blocks.2.hook_resid_post", "blocks.1.attn.hook_z"], layers=4,
+                            hidden=H, heads=4, kv_heads=2, head_dim=64, max_len=L,
+                            max_num_seqs=8, batched_tokens=64, max_captures=4,
+                            capture_rows=64)
 
 
 class Recorder:

@@ -136,25 +136,14 @@ def engine_hooks():
     hook_config makes: steering, captures, probes), for a Llama-3-8B shape on CPU
     tables, with the benchmark's sites (a steering layer, hs's 3, qk's 4 layers x q, k),
     and the frontend that turns a request's hooks into their wire form."""
-    from graphtap.config import load_hook_config
-    from graphtap.engine.manager import EngineHooks
-    from graphtap.frontend import GraphtapFrontend
+    from graphtap.testing.hook_manager import cpu_hook_manager
 
     sites = sorted({f"blocks.{layer}.hook_resid_post" for layer in (*HS, 16)} |
                    {f"blocks.{layer}.attn.hook_{k}" for layer in (4, 8, 16, 24) for k in "qk"})
-    mc = NS(hf_text_config=NS(num_hidden_layers=32), get_hidden_size=lambda: H,
-            dtype=torch.bfloat16, max_model_len=L, get_head_size=lambda: 128,
-            architectures=["LlamaForCausalLM"],
-            model_arch_config=NS(total_num_attention_heads=32), get_total_num_kv_heads=lambda: 8)
-    hook_config = {"sites": sites, "max_captures": 16, "capture_rows": 3 * 2048}
-    cfg = NS(model_config=mc, scheduler_config=NS(max_num_seqs=256, max_num_batched_tokens=2048),
-             compilation_config=NS(max_cudagraph_capture_size=512),
-             parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                data_parallel_size=1, _api_process_count=1),
-             speculative_config=None, device_config=NS(device_type="cpu"),
-             additional_config={"hook_config": hook_config})
-    return EngineHooks(cfg, None, "cpu"), \
-        GraphtapFrontend.for_engine(cfg, load_hook_config(hook_config))
+    return cpu_hook_manager(sites, layers=32, hidden=H, heads=32, kv_heads=8, head_dim=128,
+                            max_len=L, max_num_seqs=256, batched_tokens=2048,
+                            dtype=torch.bfloat16, graph_tokens=512, max_captures=16,
+                            capture_rows=3 * 2048)
 
 
 MODES = {"plain": None,
