@@ -126,3 +126,20 @@ def test_clone_shares_the_spec_and_the_frontend_never_changes_it():
     assert clone.hooks is not hooks  # normalised: a field of its own
     assert params.hooks is hooks and hooks == before
     assert SamplingParams(max_tokens=4).clone().hooks is None
+
+
+@pytest.mark.parametrize("positions", ["all", "prompt", "last_prompt", [1, 3]])
+def test_a_remembered_spec_salts_each_request_as_a_fresh_one(positions):
+    """The steering salt is remembered with the spec, by the prompt length where its rule
+    is relative to the prompt: every request gets the salt the spec's own hash gives
+    (a shared prefix steered at other positions never shares KV blocks)."""
+    from graphtap.spec import combined_salt, normalise, parse_spec
+
+    fe = GraphtapFrontend(SHAPE)
+    hooks = steer(positions=positions)
+    for prompt_len in (5, 9, 5, 9, 7):
+        _, salt = process(fe, hooks, prompt_len)
+        fresh = combined_salt(None, normalise(parse_spec(hooks), SHAPE), prompt_len)
+        assert salt == fresh is not None
+    user = fe.process_request("r", _Params(hooks), "mine", 5)  # the user's salt still counts
+    assert user == combined_salt("mine", normalise(parse_spec(hooks), SHAPE), 5)

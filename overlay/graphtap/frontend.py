@@ -123,7 +123,7 @@ class GraphtapFrontend(HookFrontend):
         if not raw:
             params.hooks = None
             return combined_salt(cache_salt, NormalisedSpec())  # namespaced all the same
-        spec, plan = self._normalised(raw)
+        spec, plan, salts = self._normalised(raw)
         size = plan.check(prompt_len, params.max_tokens or 1)
         spec = msgspec.structs.replace(spec, capture_bytes=size)
         if spec.captures_anything and getattr(params, "n", 1) > 1:
@@ -136,13 +136,14 @@ class GraphtapFrontend(HookFrontend):
             # Prompt positions served from the prefix cache never run through the model,
             # so a capturing request recomputes its prompt (it still writes the cache).
             params.skip_reading_prefix_cache = True
-        return combined_salt(cache_salt, spec, prompt_len)
+        return combined_salt(cache_salt, spec, prompt_len, salts)
 
-    def _normalised(self, raw) -> tuple[NormalisedSpec, SizePlan]:
-        """parse_spec + normalise, and the spec's SizePlan, remembered per spec text: a
-        deployment's guard or capture spec is the same in every request, and each of a
-        burst's requests waits for the ones before it here (an hs spec: 15 of its 30 us
-        on the dev CPU). Keyed by the msgpack bytes of a spec of JSON types only (they
+    def _normalised(self, raw) -> tuple[NormalisedSpec, SizePlan, dict]:
+        """parse_spec + normalise, the spec's SizePlan and its steering salts (a memo of
+        combined_salt), remembered per spec text: a deployment's guard or capture spec
+        is the same in every request, and each of a burst's requests waits for the ones
+        before it here (an hs spec: 15 of its 30 us on the dev CPU). Keyed by the
+        msgpack bytes of a spec of JSON types only (they
         tell apart what validation does: 1 from 1.0 and True, NaN from null; a spec
         holding a tuple, bytes or a numpy array, which msgpack would write as a list or
         bytes, is normalised each time), and by the vector registry's generation (names
@@ -158,7 +159,7 @@ class GraphtapFrontend(HookFrontend):
                     self._specs.move_to_end(key)
                     return known
         spec = normalise(parse_spec(raw), self.shape, self.vectors)  # may raise: not kept
-        known = spec, SizePlan(spec, self.shape)
+        known = spec, SizePlan(spec, self.shape), {}
         if key is not None:
             with self._lock:
                 self._specs[key] = known

@@ -32,12 +32,26 @@ def steering_salt(spec: NormalisedSpec, prompt_len: int = 0) -> str | None:
     return h.hexdigest()[:32]
 
 
-def combined_salt(user_salt: str | None, spec: NormalisedSpec,
-                  prompt_len: int = 0) -> str | None:
+MEMO = 64  # steering salts a memo keeps (prompt lengths of a relative rule)
+
+
+def combined_salt(user_salt: str | None, spec: NormalisedSpec, prompt_len: int = 0,
+                  memo: dict | None = None) -> str | None:
     """The request's cache salt, in two namespaces no user string can cross: a user's own
     salt becomes "user:<salt>", a steered request's "graphtap:<hash>" (then its user's).
-    A plain request without a salt keeps none, as in stock vLLM."""
-    salt = steering_salt(spec, prompt_len)
+    A plain request without a salt keeps none, as in stock vLLM. `memo`: steering salts
+    of this very spec already made (the frontend keeps one per distinct spec: hashing a
+    steering spec was a third of its admission), by the prompt length where a rule is
+    relative to the prompt."""
+    if memo is None or not spec.steer:
+        salt = steering_salt(spec, prompt_len)
+    else:
+        at = prompt_len if any(x.positions in RELATIVE for x in spec.steer) else 0
+        salt = memo.get(at)
+        if salt is None:
+            if len(memo) >= MEMO:
+                memo.clear()
+            salt = memo[at] = steering_salt(spec, prompt_len)
     user = None if user_salt is None else f"user:{user_salt}"
     if salt is None:
         return user
