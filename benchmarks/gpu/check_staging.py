@@ -6,7 +6,7 @@ also while the device runs behind the host by as many steps as the ring has buff
 as the torch router does. Runs on the CPU too (Triton's interpreter, no pinning), as
 tests/test_route_staged.py's CPU check of the same script.
 
-    PYTHONPATH=overlay:<the patched vLLM's site> python -m benchmarks.gpu.check_staging
+    bash benchmarks/gpu/run_gpu.sh stagecheck   (after the bundle's install)
 
 Exits 1 on a mismatch."""
 from __future__ import annotations

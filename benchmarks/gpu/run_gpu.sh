@@ -3,6 +3,8 @@
 # (see ../shared/gpu-bundle/README.md). Steps, each within the device's 10-minute limit:
 #   check            graph parity + in-graph proof on a tiny model (patched)
 #   sinkcheck        the bulk sink's rows under graphs equal per-request captures
+#   stagecheck       the host rings (slot rows through UVA, the router's one-copy layout)
+#                    with the device lagging the host (check_staging.py)
 #   <model> stock    TPOT, stock vLLM wheel
 #   <model> graphtap TPOT, patched wheel + graphtap (idle and steering alternate;
 #                    BENCH_ARGS="--modes idle,hs,qk,mixed,dump ..." for the capture loads)
@@ -23,6 +25,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     check)  PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_graphs; shift ;;
     sinkcheck) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_sink; shift ;;
+    stagecheck) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_staging; shift ;;
     report) python3 -m benchmarks.gpu.bench_tpot --report --out "$OUT"; shift ;;
     twin)   PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
                -m benchmarks.gpu.bench_twin --model "$2" --out "$OUT" ${TWIN_ARGS:-}; shift 2 ;;
