@@ -38,6 +38,19 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
     assert {r["rate"] for r in data["runs"]} == {8.0, "burst3"}
     assert all(r["rate"] == "burst3" for r in data["runs"] if r["mode"] == "dump")
     assert all(len(r["tpot_ms_by_request"]) == r["requests"] for r in data["runs"])
+    # request 0's first-token window over the hook manager's phases (first_token.py)
+    bursts = [r for r in data["runs"] if r["rate"] == "burst3"]
+    assert all(len(m) == 2 and m[0] <= m[1] for r in bursts for m in r["ttft_marks_by_request"])
+    if variant == "graphtap":
+        from benchmarks.gpu.first_token import TOP
+
+        assert all(r["host_timeline"] and {c[0] for c in r["host_timeline"]} <=
+                   set(TOP) | {"prepare_plan", "prepare_route_tokens", "prepare_route_rows"}
+                   for r in bursts)
+        window = data["summary_first_token_ms"]["burst3"]
+        assert set(window) == {r["mode"] for r in bursts}
+        assert window["hs"]["ms"]["window"] > 0 and "outside_ms" in window["hs"]
+        assert window["hs"]["ms"]["main"] > 0  # its admission and step ran in the window
     if variant == "graphtap":  # one traced burst per mode, not counted with the runs
         traces = {p.parent.name for p in (tmp_path / "traces").rglob("*.trace.json.gz")}
         assert traces == {"burst-idle", "burst-hs"}, traces

@@ -36,3 +36,26 @@ def test_two_engines_keep_their_own_counts():
     with a.phase("collect"):
         pass
     assert a.stats()["collect_calls_total"] == 1 and b.stats() == {}
+
+
+def test_the_timeline_holds_each_call_on_the_requests_clock_until_read():
+    """Each call as (phase, start, wall ms), its start on time.monotonic (the clock of
+    vLLM's request timestamps), oldest first; read once, then empty; bounded."""
+    from graphtap.profiling import TIMELINE
+
+    clock = HostClock()
+    before = time.monotonic()
+    with clock.phase("add_request"):
+        time.sleep(0.002)
+    with clock.phase("prepare_step"):
+        pass
+    after = time.monotonic()
+    calls = clock.timeline()
+    assert [c[0] for c in calls] == ["add_request", "prepare_step"]
+    assert before <= calls[0][1] <= calls[1][1] <= after
+    assert calls[0][2] >= 2.0 and calls[1][1] >= calls[0][1] + calls[0][2] / 1e3
+    assert clock.timeline() == []
+    for _ in range(TIMELINE + 5):
+        with clock.phase("collect"):
+            pass
+    assert len(clock.timeline()) == TIMELINE

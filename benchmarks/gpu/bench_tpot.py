@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.gpu.first_token import fetch_timeline, marks
 from benchmarks.gpu.tpot_stats import engine_tpot_ms, summarise, ttft_phases
 from benchmarks.gpu.workloads import (ARCHS, count_rows, hook_config, link_probe, mode_hooks,
                                       mode_order, model_dir, sink_totals, steer_vector)
@@ -113,7 +114,7 @@ async def one_request(engine, rid: str, ids: list[int], params, start_at: float,
         times.extend([now] * (n - len(times)))
         last = out
     return (times, count_rows(getattr(last, "hooks", None)), engine_tpot_ms(last),
-            ttft_phases(last, start, first) if times else None)
+            ttft_phases(last, start, first) if times else None, marks(last))
 
 
 async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int = 0,
@@ -136,13 +137,14 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
                             output_kind=RequestOutputKind.CUMULATIVE, **extra)
     pauses = GcPauses()
     t0 = time.perf_counter() if t0 is None else t0
+    since = time.monotonic()  # the engine core's clock (first_token.py)
     tasks = [one_request(engine, f"r{rate}-{rep}-{i}-{time.monotonic_ns()}",
                          rng.integers(10, vocab - 10, args.input_len).tolist(), params,
                          float(starts[i]), t0) for i in range(n)]
     with pauses:
         results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
-    all_times, counts, by_request_engine, phases = (list(x) for x in zip(*results))
+    all_times, counts, by_request_engine, phases, ttft_marks = (list(x) for x in zip(*results))
     rows, nbytes, failed = (sum(c[i] for c in counts) for i in range(3))
     per_request = [c[0] for c in counts]
     by_request = [(t[-1] - t[0]) / (len(t) - 1) * 1000 if len(t) > 1 else None
@@ -161,6 +163,7 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
             # request i is admitted i-th in every mode's burst: TTFTs compare by position
             "ttft_ms_by_request": ttft_by_request,
             "ttft_phases_ms_by_request": phases,  # tpot_stats.ttft_phases
+            "ttft_marks_by_request": ttft_marks, "start_monotonic": since,
             "tpot_engine_ms_by_request": by_request_engine,
             "tpot_engine_ms_median": statistics.median(e) if (e := [
                 t for t in by_request_engine if t is not None]) else None,
@@ -233,6 +236,10 @@ async def bench(args) -> dict:
                         r.update(await sink_run(engine, before, r["wall_s"], args.quick))
                     if args.variant == "graphtap":
                         r["hook_counters"] = await hook_counters(engine)
+                        # the phase calls of this run (a burst's: first_token.py)
+                        calls = await fetch_timeline(engine, r["start_monotonic"])
+                        if burst and calls is not None:
+                            r["host_timeline"] = calls
                     result["runs"].append(r)
                     print(json.dumps(r), flush=True)
                 write_result(result, out)

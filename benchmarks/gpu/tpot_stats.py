@@ -8,6 +8,8 @@ import statistics
 
 import numpy as np
 
+from benchmarks.gpu.first_token import first_token_window
+
 
 def summarise(result: dict, ci: bool = False) -> None:
     """Median TPOT per mode and load, and the paired overheads vs idle on both clocks
@@ -25,6 +27,9 @@ def summarise(result: dict, ci: bool = False) -> None:
     host = host_phases(result["runs"])
     if host:  # launches from before the hook manager's host clock have none
         result["summary_host_ms"] = host
+    window = first_token_window(result["runs"])
+    if window:  # bursts of launches with the hook manager's timeline (first_token.py)
+        result["summary_first_token_ms"] = window
 
 
 def host_phases(runs: list[dict]) -> dict[str, dict[str, float]]:

@@ -13,12 +13,17 @@ decoding a burst's requests) may then hold for up to its switch interval; or for
 device. GET /v1/graphtap/stats shows the counters (`host.<phase>_*_total`), and
 benchmarks/gpu/bench_tpot.py records them per run. One clock per engine (EngineHooks
 owns it, its StepSnapshots borrow it), never a module global, which two engines of one
-process would share."""
+process would share.
+
+It also keeps the last TIMELINE calls as a timeline (phase, start, wall time), on
+CLOCK_MONOTONIC: the clock of vLLM's request timestamps (scheduled, first token), so a
+request's first-token window can be laid over the phases that ran in it
+(benchmarks/gpu/tpot_stats.py first_token_window)."""
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 
@@ -33,6 +38,7 @@ def named(name: str):
 
 
 SLOW_NS = 1_000_000  # a call this long is counted apart: one stall shows up in the totals
+TIMELINE = 8192  # phase calls the timeline keeps (a burst of 64 makes some 400)
 
 
 class _Phase:
@@ -50,6 +56,7 @@ class _Phase:
     def __exit__(self, *exc) -> None:
         wall = time.perf_counter_ns() - self._wall
         self._clock.add(self._name, wall, time.thread_time_ns() - self._cpu)
+        self._clock.calls.append((self._name, self._wall, wall))
 
 
 class HostClock:
@@ -61,6 +68,8 @@ class HostClock:
         self._cpu: defaultdict[str, int] = defaultdict(int)
         self._calls: defaultdict[str, int] = defaultdict(int)
         self._slow: defaultdict[str, int] = defaultdict(int)
+        # (phase, start, wall) in ns, start on perf_counter: CLOCK_MONOTONIC on Linux
+        self.calls: deque[tuple[str, int, int]] = deque(maxlen=TIMELINE)
 
     def phase(self, name: str) -> _Phase:
         p = self._phases.get(name)
@@ -74,6 +83,13 @@ class HostClock:
         self._calls[name] += 1
         if wall_ns >= SLOW_NS:
             self._slow[name] += 1
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """The calls since the last look, oldest first: (phase, start in seconds of
+        time.monotonic, wall ms); the timeline is empty after."""
+        out = [(name, start / 1e9, wall / 1e6) for name, start, wall in self.calls]
+        self.calls.clear()
+        return out
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}

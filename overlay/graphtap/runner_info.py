@@ -35,6 +35,12 @@ class RunnerInfoExtension:
         hooks = self.model_runner.hooks  # type: ignore[attr-defined]
         return hooks.stats() if hasattr(hooks, "stats") else {}
 
+    def graphtap_host_timeline(self) -> list:
+        """The hook manager's phase calls since the last call, on CLOCK_MONOTONIC (the
+        clock of vLLM's request timestamps): [phase, start s, wall ms] each."""
+        hooks = self.model_runner.hooks  # type: ignore[attr-defined]
+        return hooks.host_timeline() if hasattr(hooks, "host_timeline") else []
+
     def graphtap_sink_sync(self) -> dict | None:
         """The bulk sink's index once all its rows are written (engine.manager.sink_sync):
         None on a worker that writes no sink."""

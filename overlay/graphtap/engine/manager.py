@@ -293,6 +293,10 @@ class EngineHooks(HookManager):
                 **({"sink": self.sink.stats()} if self.sink is not None else {}),
                 **_pinned_stats()}
 
+    def host_timeline(self) -> list[tuple[str, float, float]]:
+        """The hook manager's phase calls since the last look (profiling.HostClock)."""
+        return self.clock.timeline()
+
     def collect(self, input_batch, dummy_run):
         if dummy_run:
             return None
