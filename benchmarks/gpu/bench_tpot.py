@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import platform
@@ -46,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.gpu.first_token import fetch_timeline, marks
+from benchmarks.gpu.host_info import GcPauses, gpu_name, vllm_version
 from benchmarks.gpu.tpot_stats import engine_tpot_ms, summarise, ttft_phases
 from benchmarks.gpu.workloads import (ARCHS, count_rows, hook_config, link_probe, mode_hooks,
                                       mode_order, model_dir, sink_totals, steer_vector)
@@ -171,30 +171,6 @@ async def run_rate(engine, args, cfg, rate: float, rep: int, hooks, burst: int =
             "frontend_gc_ms": round(pauses.ms, 2), "frontend_gc_full": pauses.full}
 
 
-class GcPauses:
-    """Times the garbage collector's pauses in this process while active (gc.callbacks):
-    in-process AsyncLLM's output handling and the client share this process, so a long
-    collection delays every running request's tokens at once."""
-
-    def __init__(self):
-        self.ms, self.full, self._t = 0.0, 0, None
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        elif self._t is not None:
-            self.ms += (time.perf_counter() - self._t) * 1000
-            self.full += info["generation"] == 2
-            self._t = None
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
-
-
 async def bench(args) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -309,30 +285,6 @@ def write_result(result: dict, out: Path, final: bool = False) -> dict:
     if final:
         print(f"wrote {out}")
     return result
-
-
-def gpu_name() -> str:
-    try:
-        import torch
-
-        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except Exception:
-        return "unknown"
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "?") + (" (patched)" if _patched() else " (stock)")
-
-
-def _patched() -> bool:
-    try:
-        import vllm.v1.worker.gpu.hooks  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
 
 
 def report(results_dir: Path) -> str:

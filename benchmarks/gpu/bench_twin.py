@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.gpu.bench_tpot import (engine_args, gpu_name, loads, parser, prepare, run_rate,
-                                       vllm_version, write_result)
+from benchmarks.gpu.bench_tpot import engine_args, loads, parser, prepare, run_rate, write_result
+from benchmarks.gpu.host_info import gpu_name, vllm_version
 from benchmarks.gpu.workloads import mode_hooks, mode_order, model_dir, steer_vector
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu.bench_tpot import GcPauses
+from benchmarks.gpu.host_info import GcPauses
 from benchmarks.gpu.workloads import ARCHS, count_rows, hook_config, mode_hooks, model_dir
 
 STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
