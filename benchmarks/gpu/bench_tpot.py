@@ -212,12 +212,15 @@ async def bench(args) -> dict:
                         r.update(await sink_run(engine, before, r["wall_s"], args.quick))
                     if args.variant == "graphtap":
                         r["hook_counters"] = await hook_counters(engine)
-                        # the phase calls of this run (a burst's: first_token.py)
-                        calls = await fetch_timeline(engine, r["start_monotonic"])
+                        # a burst's phase calls until its last first token (first_token.py)
+                        firsts = [m[1] for m in r["ttft_marks_by_request"] if m]
+                        calls = await fetch_timeline(engine, r["start_monotonic"],
+                                                     max(firsts, default=0.0))
                         if burst and calls is not None:
                             r["host_timeline"] = calls
                     result["runs"].append(r)
-                    print(json.dumps(r), flush=True)
+                    print(json.dumps({k: v for k, v in r.items() if k != "host_timeline"}),
+                          flush=True)
                 write_result(result, out)
         for mode in [m for m in args.trace_modes.split(",") if m]:
             await traced_burst(engine, args, cfg, vec, mode)

@@ -27,15 +27,16 @@ def marks(out) -> list[float] | None:
     return [m.scheduled_ts, m.first_token_ts]
 
 
-async def fetch_timeline(engine, since: float) -> list | None:
-    """The workers' phase calls since the last fetch, those from `since` on (seconds of
-    time.monotonic); None from an engine without graphtap's worker extension."""
+async def fetch_timeline(engine, since: float, until: float = float("inf")) -> list | None:
+    """The workers' phase calls since the last fetch, those that started between `since`
+    and `until` (seconds of time.monotonic); None from an engine without graphtap's
+    worker extension."""
     try:
         calls = (await engine.collective_rpc("graphtap_host_timeline"))[0]
     except Exception:  # a stock engine, or an older overlay
         return None
     return [[name, round(start, 6), round(ms, 4)] for name, start, ms in calls
-            if start >= since]
+            if since <= start <= until]
 
 
 def window(run: dict) -> dict | None:
