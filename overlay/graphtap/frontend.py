@@ -143,11 +143,11 @@ class GraphtapFrontend(HookFrontend):
         combined_salt), remembered per spec text: a deployment's guard or capture spec
         is the same in every request, and each of a burst's requests waits for the ones
         before it here (an hs spec: 15 of its 30 us on the dev CPU). Keyed by the
-        msgpack bytes of a spec of JSON types only (they
-        tell apart what validation does: 1 from 1.0 and True, NaN from null; a spec
-        holding a tuple, bytes or a numpy array, which msgpack would write as a list or
-        bytes, is normalised each time), and by the vector registry's generation (names
-        may resolve differently)."""
+        msgpack bytes of a spec of JSON types only (they tell apart what validation
+        does: 1 from 1.0 and True, NaN from null; a spec holding a tuple, bytes or a
+        numpy array, which msgpack would write as a list or bytes, is normalised each
+        time), and by the vector registry's generation (names may resolve
+        differently)."""
         try:
             text = msgspec.msgpack.encode(raw) if _plain(raw) else b""
         except OverflowError:  # an int past 64 bits: validation says what is wrong

@@ -18,7 +18,7 @@ process would share.
 It also keeps the last TIMELINE calls as a timeline (phase, start, wall time), on
 CLOCK_MONOTONIC: the clock of vLLM's request timestamps (scheduled, first token), so a
 request's first-token window can be laid over the phases that ran in it
-(benchmarks/gpu/tpot_stats.py first_token_window)."""
+(benchmarks/gpu/first_token.py)."""
 from __future__ import annotations
 
 import contextlib
