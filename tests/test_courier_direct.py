@@ -99,14 +99,26 @@ def test_uniform_steps_take_the_array_passes():
     snap = make(rows, labels, len(labels), {r: f"r{r}" for r in range(4)}, formats)
     args = (snap.labels.numpy()[:len(labels), :3], snap.rows.view(torch.uint8).numpy(),
             torch.bfloat16, formats, NAMES, {r: f"r{r}" for r in range(4)})
-    got = direct.seal_uniform(*args)
+    got = seal_uniform(snap)
     assert got is not None and got == direct.seal_small(*args)
     formats[3] = dict.fromkeys(range(3), RowFormat(torch.float32, 16, None, 0))
-    assert direct.seal_uniform(*args) is None
+    assert seal_uniform(snap) is None
     formats[3] = formats[0]  # slot 3's request went (its rows stay, no request id)
-    gone = args[:-1] + ({r: f"r{r}" for r in range(3)},)
-    assert direct.seal_uniform(*gone) is None and list(direct.seal_small(*gone)) == \
-        ["r0", "r1", "r2"]
+    gone = make(rows, labels, len(labels), {r: f"r{r}" for r in range(3)}, formats)
+    assert seal_uniform(gone) is None and list(direct.seal_small(
+        *args[:-1], {r: f"r{r}" for r in range(3)})) == ["r0", "r1", "r2"]
+
+
+def seal_uniform(snap):
+    """The array passes on a step where its layout is uniform (as CaptureStep.sealed
+    takes them from uniform_rows rows on), else None."""
+    from graphtap.courier import direct
+    from graphtap.courier.rows import ORDER
+    from graphtap.courier.uniform import uniform_layout
+
+    layout = uniform_layout(snap, *snap.sorted_labels(ORDER), ORDER)
+    return direct.seal_uniform(layout, snap.rows.view(torch.uint8).numpy(),
+                               snap.rows.dtype) if layout else None
 
 
 @settings(max_examples=150, deadline=None)
@@ -141,7 +153,7 @@ def test_direct_payloads_equal_the_chunk_way(case, seed):
 
     args = (snap.labels.numpy()[:used, :3], snap.rows.view(torch.uint8).numpy(),
             torch.bfloat16, formats, NAMES, slot_to_req)
-    uniform = direct.seal_uniform(*args) if used else None
+    uniform = seal_uniform(snap) if used else None
     if uniform is not None:
         assert uniform == direct.seal_small(*args)
 

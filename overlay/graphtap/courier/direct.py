@@ -14,7 +14,8 @@ The payloads are byte for byte what payload.seal makes of CaptureStep._split_sma
 chunks (tests/test_courier_direct.py); a step this path cannot take whole (rows lost, a
 cast, heads that are not one run, a value large enough to travel as a frame) returns
 None and goes the chunk way. A larger step whose requests all ask the same (a burst's
-decode step) is cut in array passes instead of the walk (seal_uniform)."""
+decode step) is cut in array passes instead of the walk (seal_uniform, on the layout
+uniform.py finds for the tensor split too)."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 from graphtap.courier.chunks import positions_key
 from graphtap.courier.pack import SOLO_BYTES, column_span, pack_format, pack_key, row_bytes
 from graphtap.courier.payload import _NAMES, INLINE_BYTES, Inline
+from graphtap.courier.uniform import Uniform
 
 
 def plain_groups(labels: np.ndarray, formats: dict, site_names: dict[int, str],
@@ -73,55 +75,24 @@ def seal_small(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats:
     return out
 
 
-def seal_uniform(labels: np.ndarray, raw: np.ndarray, dtype: torch.dtype, formats: dict,
-                 site_names: dict[int, str],
-                 slot_to_req: dict[int, str]) -> dict[str, dict[str, Inline]] | None:
-    """seal_small's result for a step whose requests all ask the same (the prefill and
-    decode steps of a burst of one spec): the same sites, as many rows at each, one pack
-    in one format per request, every slot's request live. In array passes over the
-    step, not a Python pass per (request, site): one sort, one copy of the rows, one
-    index block, each request's values slices of them. None where the step is not so."""
-    n = len(labels)
-    if n < 2:
-        return None
-    slot, site, pos = labels[:, 0], labels[:, 1], labels[:, 2]
-    first = int(slot[0])
-    mine = slot == first
-    per = int(np.count_nonzero(mine))
-    own = formats.get(first)
-    if n % per or own is None:
-        return None
-    sites, counts = np.unique(site[mine], return_counts=True)
-    sites = sites.tolist()
-    fmt = pack_format(own[sites[0]])
-    if any(pack_format(own[s]) != fmt for s in sites[1:]) or \
-            int(counts.max()) * row_bytes(fmt) >= SOLO_BYTES:
-        return None  # packs of several formats, or a site on its own
-    order = np.lexsort((pos, site, slot))  # plain_groups' order: slot, site, position
-    reqs = n // per
-    by_req = slot[order].reshape(reqs, per)
-    slots = by_req[:, 0]
-    if (by_req != slots[:, None]).any() or (np.diff(slots) == 0).any() or \
-            (site[order].reshape(reqs, per) != site[order[:per]]).any():
-        return None  # requests with other rows, sites or rows per site
-    slots = slots.tolist()
-    ids = [slot_to_req.get(s) for s in slots]
-    if None in ids or any(formats.get(s) is not own and formats.get(s) != own for s in slots):
-        return None  # a request gone (its rows are left out), or asking otherwise
-    span = _Cutter(raw, dtype).span(fmt)
+def seal_uniform(layout: Uniform, raw: np.ndarray,
+                 dtype: torch.dtype) -> dict[str, dict[str, Inline]] | None:
+    """seal_small's result for a step whose requests all ask the same (uniform.py's
+    layout: the prefill and decode steps of a burst of one spec), in array passes, not
+    a Python pass per (request, site): one copy of the rows, each request's values
+    slices of it and of the layout's index. None where a value would be a cast or
+    travel as a frame."""
+    span = _Cutter(raw, dtype).span(layout.fmt)
+    per = layout.per
     if span is None or per * (span[1] - span[0]) >= INLINE_BYTES:
         return None
     lo, hi, tail = span
-    data = raw[order, lo:hi].reshape(reqs, -1)  # one copy, request-major
-    index = np.empty((reqs, len(sites) + per), np.int64)
-    index[:, :len(sites)] = counts
-    index[:, len(sites):] = pos[order].reshape(reqs, per)
-    key = pack_key([site_names[s] for s in sites])
-    at, name = positions_key(key), _NAMES[dtype]
-    shape, ints = (per, *tail), (len(sites) + per,)
-    return {req: {key: Inline(name, shape, memoryview(data[r])),
-                  at: Inline("int64", ints, memoryview(index[r]))}
-            for r, req in enumerate(ids)}
+    data = raw[layout.perm, lo:hi].reshape(len(layout.ids), -1)  # one copy, request-major
+    at, name = positions_key(layout.key), _NAMES[dtype]
+    shape, ints = (per, *tail), (layout.index.shape[1],)
+    return {req: {layout.key: Inline(name, shape, memoryview(data[r])),
+                  at: Inline("int64", ints, memoryview(layout.index[r]))}
+            for r, req in enumerate(layout.ids)}
 
 
 class _Cutter:

@@ -71,7 +71,7 @@ def seal(*chunks: dict[str, torch.Tensor]) -> HookPayload:
 
 
 def seal_values(inline: dict[str, Inline], frames: dict[str, torch.Tensor] | None = None,
-           finish: bool = False) -> HookPayload:
+               finish: bool = False) -> HookPayload:
     """The payload of values already made (Inline: courier/direct.py makes them from
     numpy views, no tensors) and frames."""
     return HookPayload(_ENCODER.encode(inline) if inline else b"", frames or {}, finish)

@@ -16,7 +16,7 @@ from graphtap.courier.pack import (SOLO_BYTES, column_span, head_runs, pack_form
 from graphtap.courier.sink import SinkFailed
 from graphtap.courier.sink_labels import SlotRequests
 from graphtap.courier.snapshot import LabelledStep
-from graphtap.courier.uniform import split_uniform
+from graphtap.courier.uniform import split_uniform, uniform_layout
 from graphtap.ops.tables import Label
 
 # plain ints: numpy indexes with them on every step
@@ -106,10 +106,18 @@ class CaptureStep(LabelledStep):
             return None
         if not used:
             return {}
-        args = (self.labels.numpy()[:used, :HOST_LABELS], self.rows.view(torch.uint8).numpy(),
-                self.rows.dtype, self.formats, self.site_names, self.slot_to_req)
-        uniform = seal_uniform(*args) if used >= self.uniform_rows else None
-        return uniform if uniform is not None else seal_small(*args)
+        raw = self.rows.view(torch.uint8).numpy()
+        if used >= self.uniform_rows:
+            # one lexsort: cheaper here than sorted_labels' order check and the
+            # layout's regrouping of the device's site-major rows
+            labels = self.labels.numpy()[:used]
+            perm = np.lexsort(tuple(labels[:, c] for c in reversed(ORDER)))
+            layout = uniform_layout(self, labels[perm], perm, ORDER)
+            uniform = seal_uniform(layout, raw, self.rows.dtype) if layout else None
+            if uniform is not None:
+                return uniform
+        return seal_small(self.labels.numpy()[:used, :HOST_LABELS], raw, self.rows.dtype,
+                          self.formats, self.site_names, self.slot_to_req)
 
     def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:
         """The rows `keep` marks (all: None), per request: per output format one pack of
