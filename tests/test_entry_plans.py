@@ -129,3 +129,32 @@ def test_one_spec_in_every_request_makes_one_plan_and_the_plans_stay_bounded(mon
                          Span(i, i + 2)),)))
     assert len(capture._plans) == 3
     assert (entry,) not in capture._plans
+
+
+def test_requests_of_one_prompt_length_share_their_wants_and_the_lengths_stay_bounded(
+        monkeypatch):
+    """A plan's Wants and position bitmaps are made once per prompt length (a burst's
+    requests share them) and at most SHAPES lengths are kept: lengths coming back after
+    being pushed out write what a family without remembered plans writes."""
+    monkeypatch.setattr(rows, "SHAPES", 2)
+    (a_tables, (a, _)), (b_tables, (b, _)) = families(True), families(False)
+    entries = (CaptureEntry(1, "resid_post", "blocks.1.hook_resid_post", "model", None,
+                            "last_prompt"),
+               CaptureEntry(0, "attn_q", "blocks.0.attn.hook_q", "model", (1,), Span(3, 40)))
+    for n, prompt_len in enumerate([5, 9, 5, 13, 5, 9, 33, 9]):
+        slot = n % 4
+        for f in (a, b):
+            f.add_request(slot, f"r{slot}", prompt_len, NormalisedSpec(capture=clone(entries)))
+        np.testing.assert_array_equal(a_tables.slots.host, b_tables.slots.host)
+        assert a.plan(_batch(a, n)) == b.plan(_batch(b, n))
+        assert a._table._plain == b._table._plain
+        assert len(capture_plan(a).shaped) <= 2
+    a.add_request(1, "r1", 9, NormalisedSpec(capture=clone(entries)))
+    a.add_request(2, "r2", 9, NormalisedSpec(capture=clone(entries)))
+    assert a._wanted["r1"] is a._wanted["r2"]  # one length: one Wants (read-only)
+    assert set(capture_plan(a).shaped) == {33, 9}
+
+
+def capture_plan(family) -> rows.EntryPlan:
+    (plan,) = family._plans.values()
+    return plan

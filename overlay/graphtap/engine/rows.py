@@ -27,6 +27,7 @@ from graphtap.spec.sites import SiteTable
 
 
 PLANS = 256  # EntryPlans a family remembers (distinct entries of recent requests)
+SHAPES = 64  # prompt lengths a plan remembers its Wants and bitmaps for
 
 
 class EntryPlan(NamedTuple):
@@ -37,6 +38,9 @@ class EntryPlan(NamedTuple):
     sites: np.ndarray  # int32
     formats: dict
     rules: list[tuple[object, int, list[int]]]
+    # per prompt length: the request's Wants (read-only once made: requests share it)
+    # and each rule's (entries, bitmap), made once for the requests of that length
+    shaped: dict[int, tuple[Wants, list[tuple[object, np.ndarray]]]]
 
 
 class RowFamily(FamilyBase):
@@ -123,15 +127,11 @@ class RowFamily(FamilyBase):
         # request is made once per distinct entries, and each position rule's runs and
         # bitmap once for the entries sharing it (benchmarks/cpu: test_first_capture_step)
         plan = self._entry_plan(entries)
-        wanted = Wants(self.max_len)
         site, pos = self._site, self._pos
         site[slot, :len(plan.sites)] = plan.sites
-        for rule, per_token, at in plan.rules:
-            bitmap = runs_bitmap(wanted.add(rule, prompt_len, per_token), pos.shape[2])
-            if len(at) == len(plan.sites):  # entries mostly share one rule: one assignment
-                pos[slot, :len(at)] = bitmap
-            else:
-                pos[slot, at] = bitmap
+        wanted, bitmaps = plan.shaped.get(prompt_len) or self._shape(plan, prompt_len)
+        for at, bitmap in bitmaps:
+            pos[slot, at] = bitmap
         if self._writes_extra:
             for i, entry in enumerate(entries):
                 self.write_extra(slot, i, entry)
@@ -153,6 +153,18 @@ class RowFamily(FamilyBase):
                 del self._plans[next(iter(self._plans))]  # the oldest
         return plan
 
+    def _shape(self, plan: EntryPlan, prompt_len: int):
+        """The plan's Wants and bitmaps for a prompt length (EntryPlan.shaped)."""
+        wanted, bitmaps, words = Wants(self.max_len), [], self._pos.shape[2]
+        for rule, per_token, at in plan.rules:
+            bitmap = runs_bitmap(wanted.add(rule, prompt_len, per_token), words)
+            # entries mostly share one rule: one assignment of a slice
+            bitmaps.append((slice(0, len(at)) if len(at) == len(plan.sites) else at, bitmap))
+        if len(plan.shaped) >= SHAPES:
+            del plan.shaped[next(iter(plan.shaped))]  # the oldest length
+        plan.shaped[prompt_len] = (wanted, bitmaps)
+        return wanted, bitmaps
+
     def _make_plan(self, entries: tuple) -> EntryPlan:
         sites, formats, rules = [], {}, {}
         for i, entry in enumerate(entries):
@@ -163,7 +175,8 @@ class RowFamily(FamilyBase):
             rule = rules.setdefault(repr(entry.positions), [entry.positions, 0, []])
             rule[1] += per_token
             rule[2].append(i)
-        return EntryPlan(np.array(sites, np.int32), formats, [tuple(r) for r in rules.values()])
+        return EntryPlan(np.array(sites, np.int32), formats, [tuple(r) for r in rules.values()],
+                         {})
 
     def remove_request(self, req_id: str) -> None:
         if req_id in self._slot_of:

@@ -25,6 +25,7 @@ class Wants:
         self.max_len = max_len
         self._by_rule: dict[str, list] = {}  # repr(rule) -> [runs, rows per token]
         self.end = 0  # past the last wanted position: decoding past a probe costs nothing
+        self.table_rules = None  # WantTable.set's forms of the runs, made once (shared)
 
     def add(self, rule, prompt_len: int, rows_per_token: int) -> tuple[np.ndarray, np.ndarray]:
         """Adds an entry's rule; returns the rule's runs (spec.positions.position_runs:
@@ -65,17 +66,23 @@ class WantTable:
         self._ends = np.zeros(0, np.int64)
 
     def set(self, slot: int, wants: Wants) -> None:
-        rules = [(*runs, per) for runs, per in wants._by_rule.values()]
-        self._by_slot[slot] = (rules, wants.end)
+        """The slot's wanted positions (`wants`: complete, never changed after this; the
+        requests of one entry plan and prompt length share it, rows.EntryPlan.shaped)."""
+        if wants.table_rules is None:
+            rules = [(*runs, per) for runs, per in wants._by_rule.values()]
+            plain = ([(s.tolist(), e.tolist(), per) for s, e, per in rules], wants.end) \
+                if sum(len(starts) for starts, _, _ in rules) <= PLAIN_RUNS else None
+            wants.table_rules = ((rules, wants.end), plain)
+        self._by_slot[slot], plain = wants.table_rules
         self._flat = None
         if slot >= len(self._ends):
             self._ends = np.concatenate([self._ends, np.zeros(slot + 1 - len(self._ends),
                                                               np.int64)])
         self._ends[slot] = wants.end
-        self._plain.pop(slot, None)
-        if sum(len(starts) for starts, _, _ in rules) <= PLAIN_RUNS:
-            self._plain[slot] = ([(s.tolist(), e.tolist(), per) for s, e, per in rules],
-                                 wants.end)
+        if plain is None:
+            self._plain.pop(slot, None)
+        else:
+            self._plain[slot] = plain
 
     def drop(self, slot: int) -> None:
         self._plain.pop(slot, None)
