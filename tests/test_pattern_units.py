@@ -123,7 +123,15 @@ def router(slots, rows):
     return SimpleNamespace(tok_slot=slots, tok_row=rows, route_rows=route_rows)
 
 
-def test_routing_labels_every_row_and_snapshot_splits_per_request():
+@pytest.mark.parametrize("home", [True, False], ids=["copied-home", "cloned"])
+def test_routing_labels_every_row_and_snapshot_splits_per_request(home, monkeypatch):
+    """`home`: the step's rows are host copies made in the snapshot (a small step), or
+    device clones copied home later (RowFamily.snapshot's two ways); either way the
+    snapshot holds the step's values whatever the next step writes to the buffers."""
+    from graphtap.engine import rows as row_family
+
+    if not home:
+        monkeypatch.setattr(row_family, "HOME_BYTES", 0)
     f, et = family()
     t = et.ops.pattern
     f.add_request(0, "a", 5, spec(entry(1, [1, 3])))
@@ -144,6 +152,8 @@ def test_routing_labels_every_row_and_snapshot_splits_per_request():
         tok, head, pos = (int(t.labels[i, c]) for c in (Label.TOKEN, Label.HEAD, Label.POSITION))
         t.buf[i, : pos + 1] = tok * 100 + head
     snap = f.snapshot()
+    assert snap.home is home
+    t.buf.fill_(-1.0), t.labels.fill_(0), t.count.zero_()  # the next step's writes
     snap.to_cpu_nonblocking()
     out = snap.per_request()
     unpacked = {req: {k[:-len("@ragged")]: unpack_patterns(v, tensors[

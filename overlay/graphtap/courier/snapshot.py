@@ -130,7 +130,8 @@ class StepSnapshots:
 
 @dataclass
 class StepRows:
-    """What a row family hands the courier after a step (device tensors, cloned)."""
+    """What a row family hands the courier after a step (device tensors, cloned, or
+    host copies of a small step: `home`)."""
 
     rows: torch.Tensor  # [bound, columns] the step's used rows, the columns its formats read
     labels: torch.Tensor  # [bound, host label columns]
@@ -140,6 +141,7 @@ class StepRows:
     site_names: dict[int, str]
     capacity: int  # the buffer's rows
     overflow_kind: OverflowKind
+    home: bool = False  # rows, labels and count are host copies already (queued)
 
 
 class LabelledStep:
@@ -151,11 +153,15 @@ class LabelledStep:
         self.slot_to_req, self.formats = step.slot_to_req, step.formats
         self.site_names, self.capacity = step.site_names, step.capacity
         self.overflow_kind = step.overflow_kind
+        self.home = step.home
         self._device = None
         self.sink = None  # engine.families.capture.SinkTap: rows that go to the sink
         self.tokens = None  # per row its input token id (sink steps only)
 
     def to_cpu_nonblocking(self) -> None:
+        if self.home:
+            return  # copied on the main stream (RowFamily.snapshot): vLLM's copy event
+            # is recorded after its copy stream waited for the main stream
         # The device clones must stay referenced until the copy has run: the copy is
         # queued on the output copy stream, and a block freed now would go back to the
         # main stream's pool and be overwritten by the next step first (the garbage

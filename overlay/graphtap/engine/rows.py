@@ -28,6 +28,15 @@ from graphtap.spec.sites import SiteTable
 
 PLANS = 256  # EntryPlans a family remembers (distinct entries of recent requests)
 SHAPES = 64  # prompt lengths a plan remembers its Wants and bitmaps for
+# A step's rows up to this many bytes go home on the main stream (RowFamily.snapshot)
+HOME_BYTES = 1 << 20
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor of t's values (pinned and queued without waiting where t is on a
+    GPU: the pinned block is not reused before the copy ran)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    return out.copy_(t, non_blocking=True)
 
 
 class EntryPlan(NamedTuple):
@@ -235,20 +244,40 @@ class RowFamily(FamilyBase):
         self._step = None
 
     def snapshot(self) -> LabelledStep | None:
-        """Clone the step's used rows, and of them the columns its requests can use: the
-        clone, the copy home and its pinned buffer shrink with them."""
+        """The step's used rows, and of them the columns its requests can use (the copy
+        home and its pinned buffer shrink with them): a small step's copied home now,
+        a larger one's cloned for vLLM's output copy stream."""
         if self._step is None:
             return None
         slot_to_req, bound, hi, split = self._step
-        rows = self.t.buf[:bound, :self.columns(slot_to_req, hi)] \
-            .clone(memory_format=torch.contiguous_format)
-        if split:  # the heads of every rank, each value written by one of them
-            rows = sum_over_ranks(rows)
+        rows = self.t.buf[:bound, :self.columns(slot_to_req, hi)]
         # the family's own per-slot dicts (replaced, never changed, when a slot is
         # refilled): one entry per request, not per request and site
         formats = {s: self._formats[s] for s in slot_to_req}
-        # Clones on the main stream: the next step reuses the buffer (async scheduling).
+        home = not split and rows.numel() * rows.element_size() <= HOME_BYTES and \
+            self.copies_home(slot_to_req)
+        if home:
+            # Host copies queued on the main stream, ordered before the next step's
+            # writes: no device clones, no second copy on the output stream (a hooked
+            # step's clones and copies were ~12 API calls on the busy loop, its main
+            # cost after the forward); the link's time for a few hundred KiB is a
+            # sliver of the next step's.
+            rows, labels, count = (host_copy(rows), host_copy(self.t.labels[:bound]),
+                                   host_copy(self.t.count))
+            labels = labels[:, :self.host_labels]
+        else:
+            # Clones on the main stream: the next step reuses the buffer (async
+            # scheduling); they go home on the output copy stream.
+            rows = rows.clone(memory_format=torch.contiguous_format)
+            if split:  # the heads of every rank, each value written by one of them
+                rows = sum_over_ranks(rows)
+            labels = self.t.labels[:bound, :self.host_labels].clone()
+            count = self.t.count.clone()
         return self.step_class(StepRows(
-            rows, self.t.labels[:bound, :self.host_labels].clone(),
-            self.t.count.clone(), slot_to_req, formats, self.site_names, self.t.rows,
-            self.overflow_kind))
+            rows, labels, count, slot_to_req, formats, self.site_names, self.t.rows,
+            self.overflow_kind, home))
+
+    def copies_home(self, slots) -> bool:
+        """Whether the step's rows may go home at once (not where a device consumer
+        reads them after the step: the capture family's sink)."""
+        return True

@@ -100,6 +100,9 @@ class CaptureFamily(RowFamily):
         self._sunk.discard(slot)
         return True
 
+    def copies_home(self, slots) -> bool:
+        return self._sunk.isdisjoint(slots)  # sink rows go home on the sink's stream
+
     def route(self, input_batch, router, plan) -> None:
         super().route(input_batch, router, plan)
         self._input_ids = input_batch.input_ids if self._sunk else None
