@@ -1,7 +1,8 @@
 """Which steps copy the batch's positions into the router's tok_pos (engine/manager.py
 prepare_step): the z op and the staged row routing read them there; the residual
 steering op reads the model's own, so a step that only steers the residual copies none
-(on a GPU one launch less in every steered step)."""
+(on a GPU one launch less in every steered step). A step whose rows one family routes
+hands the router that family's tables, whose routing a graph replays with the tokens'."""
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -24,10 +25,11 @@ class Recorder:
     """The router's calls from prepare_step, recorded (nothing routed)."""
 
     def __init__(self):
-        self.positions = []
+        self.positions, self.rows = [], []
 
-    def route(self, input_batch, positions=True):
+    def route(self, input_batch, positions=True, rows=None):
         self.positions.append(positions)
+        self.rows.append(rows)
 
     def route_rows(self, *args):
         pass
@@ -78,3 +80,6 @@ def test_positions_are_copied_only_where_the_step_reads_them(mode):
     m.apply_staged_writes()
     m.prepare_step(step(3), dummy_run=False)
     assert m.router.positions == [copies]
+    captures = hooks is not None and "capture" in hooks
+    assert m.router.rows == ([] if hooks is None else
+                             [m.families[1].t if captures else None])

@@ -147,3 +147,38 @@ def test_the_gpu_staging_check_passes_on_the_cpu():
 
     assert check_slot_block(rounds=5) == 0
     assert check_router(rounds=5) == 0
+
+
+def test_one_familys_rows_replay_with_the_tokens():
+    """A step whose rows one family routes (route(rows=...)) replays one graph for the
+    tokens and those rows where the layout is new, and routes exactly as the torch
+    router; the same layout again replays that family's rows alone, and another
+    family's rows still replay on their own."""
+    from graphtap.ops.backend import _triton
+
+    ref_et, tri_et = engine(TORCH), engine(_triton(False))
+    ref, tri = TokenRouter(ref_et.ops), TokenRouter(tri_et.ops)
+    replayed = []
+
+    def counting(body):
+        return SimpleNamespace(replay=lambda: (replayed.append(1), body()))
+
+    tri.capture_graphs([tri_et.ops.capture, tri_et.ops.pattern], MAX_LEN, capture=counting)
+    replayed.clear()
+    for i, (lengths, slots, padded) in enumerate(STEPS):
+        b = batch(lengths, slots, padded, seed=i)
+        before = len(replayed)
+        ref.route(b)
+        tri.route(b, rows=tri_et.ops.capture)
+        ref.route_rows(ref_et.ops.capture, b, MAX_LEN)
+        tri.route_rows(tri_et.ops.capture, b, MAX_LEN)
+        assert len(replayed) - before == 1, i  # tokens and rows, or the rows alone
+        rt, tt = ref_et.ops.capture, tri_et.ops.capture
+        assert torch.equal(tt.count, rt.count), i
+        used = min(int(rt.count[0]), rt.rows)
+        assert torch.equal(tt.labels[:used], rt.labels[:used]), i
+        if i == 2:  # the pattern family's rows too: their own replay
+            ref.route_rows(ref_et.ops.pattern, b, MAX_LEN)
+            tri.route_rows(tri_et.ops.pattern, b, MAX_LEN)
+            assert len(replayed) - before == 2
+            assert torch.equal(tri_et.ops.pattern.count, ref_et.ops.pattern.count)

@@ -254,10 +254,13 @@ class EngineHooks(HookManager):
                 if any(plans):
                     # tok_pos is read by the z op and the staged row routing only: a
                     # step that steers the residual alone copies no positions
-                    rows = any(plan for family, plan in zip(self.families, plans)
-                               if family is not self.steer)
-                    self.router.route(input_batch, positions=rows or
-                                      self.steer.steers_heads(input_batch))
+                    routing = [family.rows_to_route(plan) for family, plan
+                               in zip(self.families, plans)
+                               if plan and isinstance(family, RowFamily)]
+                    # one family's rows: routed in the tokens' graph replay
+                    self.router.route(input_batch, positions=bool(routing) or
+                                      self.steer.steers_heads(input_batch),
+                                      rows=routing[0] if len(routing) == 1 else None)
                 else:
                     self.router.deactivate()
             with clock.phase("prepare_route_rows"):

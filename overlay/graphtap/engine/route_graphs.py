@@ -60,9 +60,10 @@ def cuda_graphs() -> Callable[[Callable[[], None]], "torch.cuda.CUDAGraph"]:
 
 
 class RouteGraphs:
-    """One engine's routing graphs: for each bucket the token routing, and per row
-    family (key) its row routing. `tokens(n)` / `rows(key, n)` replay the smallest
-    bucket of at least n tokens. `capture` turns a body into something with `replay()`
+    """One engine's routing graphs: for each bucket the token routing, per row family
+    (key) its row routing, and per row family both in one graph. `tokens(n)` /
+    `rows(key, n)` / `tokens_and_rows(key, n)` replay the smallest bucket of at least n
+    tokens. `capture` turns a body into something with `replay()`
     (CUDA graphs; the CPU tests run the bodies at the bucket's size instead)."""
 
     def __init__(self, sizes: list[int], tokens: Callable[[int], None],
@@ -71,6 +72,10 @@ class RouteGraphs:
         self.sizes = sizes
         self._tokens = [capture(lambda b=b: tokens(b)) for b in sizes]
         self._rows = {key: [capture(lambda b=b, f=fn: f(b)) for b in sizes]
+                      for key, fn in rows.items()}
+        # a new layout's token routing and one family's rows in one replay (a capturing
+        # prefill step: a graph replay costs ~70 us of the H200 host's busy loop)
+        self._both = {key: [capture(lambda b=b, f=fn: (tokens(b), f(b))) for b in sizes]
                       for key, fn in rows.items()}
 
     def bucket(self, n: int) -> int:
@@ -81,6 +86,9 @@ class RouteGraphs:
 
     def rows(self, key: int, n: int) -> None:
         self._rows[key][self.bucket(n)].replay()
+
+    def tokens_and_rows(self, key: int, n: int) -> None:
+        self._both[key][self.bucket(n)].replay()
 
     @classmethod
     def build(cls, max_tokens: int, tokens: Callable[[int], None],

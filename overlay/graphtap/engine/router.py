@@ -25,6 +25,7 @@ class TokenRouter:
         self._idle = True
         self.graphs: route_graphs.RouteGraphs | None = None
         self.replays = 0  # graph replays so far (stats: proof the engine used them)
+        self._rows_done: int | None = None  # the row tables routed with this step's tokens
         self.staged = tables.backend.device_counts
         if self.staged:
             # The batch's layout at fixed addresses (route_tokens_triton): the request
@@ -82,11 +83,15 @@ class TokenRouter:
                                   self.t.tok_pos[:n], max_len)
 
     # ---------------------------------------------------------------- steps
-    def route(self, input_batch, positions: bool = True) -> None:
+    def route(self, input_batch, positions: bool = True,
+              rows: RowTables | None = None) -> None:
         """Map the step's token rows; `positions`: the step reads tok_pos (head steering;
         staged row routing, which reads them there), so copy them too (they move every
-        step, whatever the layout). Unstaged row routing reads the batch's own."""
+        step, whatever the layout). Unstaged row routing reads the batch's own. `rows`:
+        the tables of the one row family that routes this step, whose routing a graph
+        replays with the tokens' (its route_rows then has nothing left to do)."""
         n = input_batch.num_tokens_after_padding
+        self._rows_done = None
         if positions and (self.staged or self.positions):
             self.t.tok_pos[:n].copy_(input_batch.positions[:n], non_blocking=True)
         layout = (tuple(input_batch.req_ids), input_batch.num_tokens, n,
@@ -101,7 +106,11 @@ class TokenRouter:
         else:
             self._stage_layout(input_batch, num_reqs)
             if self.graphs is not None:
-                self.graphs.tokens(n)
+                if rows is not None:
+                    self.graphs.tokens_and_rows(id(rows), n)
+                    self._rows_done = id(rows)
+                else:
+                    self.graphs.tokens(n)
                 self.replays += 1
             else:
                 self._launch_tokens(n)
@@ -120,6 +129,9 @@ class TokenRouter:
         """A row family's units of this step (after `route`)."""
         n = input_batch.num_tokens_after_padding
         if self.graphs is not None:
+            if self._rows_done == id(t):  # replayed with the tokens' (route)
+                self._rows_done = None
+                return
             self.graphs.rows(id(t), n)
             self.replays += 1
         elif self.staged:
@@ -133,6 +145,7 @@ class TokenRouter:
                 "graph_replays_total": self.replays}
 
     def deactivate(self, force: bool = False) -> None:
+        self._rows_done = None
         if force or not self._idle:
             self.t.tok_slot.fill_(self.t.sentinel)
             self._idle = True

@@ -221,6 +221,11 @@ class RowFamily(FamilyBase):
             bound = sum(rows for _, _, rows in rows_in_step(self._wanted, input_batch))
         return bound
 
+    def rows_to_route(self, plan) -> RowTables | None:
+        """The tables route() routes with `plan` (the router may replay their routing
+        with the tokens'), or None."""
+        return self.t
+
     def route(self, input_batch, router, plan) -> None:
         router.route_rows(self.t, input_batch, self.max_len)
         self._idle = False

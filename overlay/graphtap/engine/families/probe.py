@@ -164,6 +164,9 @@ class ProbeFamily(RowFamily):
             return RING_STEP
         return int(rows.sum())
 
+    def rows_to_route(self, plan):
+        return None if plan is RING_STEP else self.t
+
     def route(self, input_batch, router, plan) -> None:
         if plan is RING_STEP:
             self.deactivate()  # every token routes nowhere; the op fills the ring
