@@ -143,3 +143,31 @@ def test_a_remembered_spec_salts_each_request_as_a_fresh_one(positions):
         assert salt == fresh is not None
     user = fe.process_request("r", _Params(hooks), "mine", 5)  # the user's salt still counts
     assert user == combined_salt("mine", normalise(parse_spec(hooks), SHAPE), 5)
+
+
+def test_requests_of_one_spec_and_shape_share_one_wire_form():
+    """A remembered spec's wire form is made once per (prompt length, max_tokens), with
+    that shape's capture_bytes, and shared by its requests; a shape over the request
+    limits is refused every time (never remembered); at most WIRES shapes are kept."""
+    from graphtap.frontend import WIRES
+    from graphtap.spec import NormalisedSpec
+
+    shape = SHAPE.model_copy(update={"max_response_rows": 40})
+    fe = GraphtapFrontend(shape)
+    every = {"capture": [{"site": "blocks.1.hook_resid_post", "positions": "all"}]}
+    a, b = _Params(every), _Params({"capture": [dict(every["capture"][0])]})
+    fe.process_request("a", a, None, 5)
+    fe.process_request("b", b, None, 5)
+    assert a.hooks is b.hooks  # one wire form
+    c, d = _Params(every), _Params(every, max_tokens=3)
+    fe.process_request("c", c, None, 9)
+    fe.process_request("d", d, None, 5)
+    sizes = [NormalisedSpec.from_wire(p.hooks).capture_bytes for p in (a, c, d)]
+    assert sizes[0] < sizes[1] and sizes[2] < sizes[0]  # 20, 24 and 7 rows
+    for _ in range(2):
+        with pytest.raises(ValueError, match="max_response_rows"):
+            fe.process_request("e", _Params(every, max_tokens=40), None, 5)
+    last = {"capture": [{"site": "blocks.1.hook_resid_post", "positions": "last_prompt"}]}
+    for n in range(WIRES + 3):
+        fe.process_request("f", _Params(last), None, 1 + n)
+    assert sorted(len(wires) for *_, wires in fe._specs.values()) == [3, WIRES]

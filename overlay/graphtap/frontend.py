@@ -27,6 +27,7 @@ logger = get_logger(__name__)
 # normalised specs a frontend remembers (GraphtapFrontend._normalised), and the largest
 # spec it remembers (in msgpack bytes: a 4096-float vector as a JSON list is 37 KB)
 SPEC_CACHE, SPEC_CACHE_BYTES = 256, 64 << 10
+WIRES = 64  # wire forms a remembered spec keeps (prompt lengths x max_tokens)
 
 
 class HookSpecError(VLLMValidationError, ValueError):
@@ -123,24 +124,36 @@ class GraphtapFrontend(HookFrontend):
         if not raw:
             params.hooks = None
             return combined_salt(cache_salt, NormalisedSpec())  # namespaced all the same
-        spec, plan, salts = self._normalised(raw)
-        size = plan.check(prompt_len, params.max_tokens or 1)
-        spec = msgspec.structs.replace(spec, capture_bytes=size)
+        spec, plan, salts, wires = self._normalised(raw)
         if spec.captures_anything and getattr(params, "n", 1) > 1:
             # Each sample is its own engine request, but RequestOutput.hooks has room for
             # one set of captures: refuse rather than return one sample's rows silently.
             raise ValueError("hooks.capture: not supported with n > 1 (parallel sampling); "
                              "send one request per sample")
-        params.hooks = spec.to_wire()
+        # the wire form per (prompt length, max_tokens), made once: requests share it
+        # (nothing changes it in place; SamplingParams.clone shares it too)
+        shape = (prompt_len, params.max_tokens or 1)
+        with self._lock:
+            wired = wires.get(shape)
+        if wired is None:
+            size = plan.check(*shape)  # may raise: not kept
+            spec = msgspec.structs.replace(spec, capture_bytes=size)
+            wired = spec, spec.to_wire()
+            with self._lock:
+                wires[shape] = wired
+                if len(wires) > WIRES:
+                    del wires[next(iter(wires))]  # the oldest
+        spec, params.hooks = wired
         if spec.captures_anything:
             # Prompt positions served from the prefix cache never run through the model,
             # so a capturing request recomputes its prompt (it still writes the cache).
             params.skip_reading_prefix_cache = True
         return combined_salt(cache_salt, spec, prompt_len, salts)
 
-    def _normalised(self, raw) -> tuple[NormalisedSpec, SizePlan, dict]:
-        """parse_spec + normalise, the spec's SizePlan and its steering salts (a memo of
-        combined_salt), remembered per spec text: a deployment's guard or capture spec
+    def _normalised(self, raw) -> tuple[NormalisedSpec, SizePlan, dict, dict]:
+        """parse_spec + normalise, the spec's SizePlan, its steering salts (a memo of
+        combined_salt) and its wire forms (per prompt length and max_tokens), remembered
+        per spec text: a deployment's guard or capture spec
         is the same in every request, and each of a burst's requests waits for the ones
         before it here (an hs spec: 15 of its 30 us on the dev CPU). Keyed by the
         msgpack bytes of a spec of JSON types only (they tell apart what validation
@@ -159,7 +172,7 @@ class GraphtapFrontend(HookFrontend):
                     self._specs.move_to_end(key)
                     return known
         spec = normalise(parse_spec(raw), self.shape, self.vectors)  # may raise: not kept
-        known = spec, SizePlan(spec, self.shape), {}
+        known = spec, SizePlan(spec, self.shape), {}, {}
         if key is not None:
             with self._lock:
                 self._specs[key] = known
