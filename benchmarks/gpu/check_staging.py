@@ -3,7 +3,9 @@ which the index copy reads through their UVA view, and the staged router's layou
 copied in one call from a pinned ring buffer, reach the device as the host wrote them,
 also while the device runs behind the host by as many steps as the ring has buffers
 (a sleep kernel first: the engine's async scheduling, at its worst). The router routes
-as the torch router does. Runs on the CPU too (Triton's interpreter, no pinning), as
+as the torch router does, also where one graph replays the tokens' and a family's rows,
+and a small step's snapshot (host copies queued on the main stream) holds the step's
+rows whatever the next step writes. Runs on the CPU too (Triton's interpreter, no pinning), as
 tests/test_route_staged.py's CPU check of the same script.
 
     bash benchmarks/gpu/run_gpu.sh stagecheck   (after the bundle's install)
@@ -97,10 +99,97 @@ def check_router(rounds: int = 40, seed: int = 0) -> int:
     return bad
 
 
+def check_snapshots(rounds: int = 20, seed: int = 0) -> int:
+    """Steps whose capture snapshot differs from what the step wrote: a capture family
+    routes each step's rows in the router's graphs (one replay with the tokens'), the
+    step's rows are written, the family's snapshot takes them (small steps: host copies
+    on the main stream, RowFamily.snapshot), and the next step overwrites the buffers at
+    once, the device lagging. Its labels and count must equal the torch router's, its
+    rows the written values."""
+    from graphtap.engine import rows as row_family
+    from graphtap.engine.families.capture import CaptureFamily
+    from graphtap.spec import CaptureEntry, NormalisedSpec
+    from graphtap.spec.sites import SiteTable, expand_patterns
+
+    rng = np.random.default_rng(seed)
+    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 2))
+    sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=len(sites),
+                  hidden=64, steer_width=64, dtype=torch.float32, max_steers=1,
+                  max_vectors=2, max_captures=2, capture_rows=2 * TOKENS, capture_width=64,
+                  pattern_rows=8, num_heads=2, patterns=False)
+    families = []
+    for backend in (_triton(False), TORCH):
+        et = allocate(sizes, backend, DEV)
+        family = CaptureFamily(et.ops.capture, et.capture, et.slots,
+                               widths={"resid_post": (64, 0)}, backend=backend, sites=sites,
+                               max_len=512, model_dtype=torch.float32)
+        router = TokenRouter(et.ops, staging_depth=DEPTH)
+        if router.staged:
+            router.capture_graphs([et.ops.capture], 512, capture=None if DEV.type == "cuda"
+                                  else lambda body: SimpleNamespace(replay=body))
+        families.append((et, family, router))
+    rules = ["all", "last_prompt", "prompt"]
+    bad = 0
+    for step in range(rounds):
+        reqs = int(rng.integers(1, SLOTS))
+        lengths = rng.integers(1, TOKENS // SLOTS, reqs)
+        qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        slots = rng.choice(SLOTS, reqs, replace=False).astype(np.int32)
+        spec = NormalisedSpec(capture=tuple(
+            CaptureEntry(layer, "resid_post", f"blocks.{layer}.hook_resid_post", "model",
+                         None, rules[int(rng.integers(3))]) for layer in (0, 1)))
+        b = SimpleNamespace(
+            req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=int(qsl[-1]),
+            num_tokens_after_padding=int(qsl[-1]), query_start_loc_np=qsl,
+            query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
+            idx_mapping=torch.from_numpy(slots).to(DEV),
+            num_computed_tokens_np=np.zeros(reqs, np.int32),
+            num_scheduled_tokens=lengths.astype(np.int32), num_draft_tokens_per_req=None,
+            positions=torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(DEV))
+        snaps = []
+        for et, family, router in families:
+            for s, n in zip(slots, lengths):
+                family.add_request(int(s), f"r{s}", int(n), spec)
+            et.slots.apply()
+            lag()
+            plan = family.plan(b)
+            router.route(b, rows=family.rows_to_route(plan))
+            family.route(b, router, plan)
+            t = et.ops.capture
+            t.buf.copy_(torch.arange(t.buf.numel(), device=DEV, dtype=t.buf.dtype)
+                        .view_as(t.buf) + step)  # the step's rows
+            # the reference: device clones copied home later (RowFamily.snapshot's
+            # other way), the family under test: host copies queued now
+            home, row_family.HOME_BYTES = row_family.HOME_BYTES, \
+                row_family.HOME_BYTES if router.staged else 0
+            snap = family.snapshot()
+            row_family.HOME_BYTES = home
+            t.buf.fill_(-1.0), t.labels.fill_(-7), t.count.zero_()  # the next step's
+            snap.to_cpu_nonblocking()
+            snaps.append(snap)
+            for s in slots:
+                family.remove_request(f"r{s}")
+            et.slots.apply()
+        sync()
+        (graph, ref) = snaps
+        wanted = sum(int(n) if e.positions != "last_prompt" else 1
+                     for n in lengths for e in spec.capture)
+        used = int(ref.count[0])
+        expect = (torch.arange(ref.rows.shape[0] * 64, dtype=torch.float32)
+                  .view(-1, 64) + step)[:used]
+        bad += not (used == wanted and graph.home and not ref.home and
+                    torch.equal(graph.count, ref.count.cpu()) and
+                    torch.equal(graph.labels[:used], ref.labels[:used].cpu()) and
+                    torch.equal(graph.rows[:used].cpu(), expect))
+    return bad
+
+
 def main() -> int:
     found = {"slot_block_mismatches": check_slot_block(), "router_bad_steps": check_router(),
+             "snapshot_bad_steps": check_snapshots(),
              "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"}
-    ok = found["slot_block_mismatches"] == 0 and found["router_bad_steps"] == 0
+    ok = found["slot_block_mismatches"] == 0 and found["router_bad_steps"] == 0 and \
+        found["snapshot_bad_steps"] == 0
     print(json.dumps({**found, "ok": ok}, indent=1))
     return 0 if ok else 1
 
