@@ -124,15 +124,13 @@ def router(slots, rows):
 
 
 @pytest.mark.parametrize("home", [True, False], ids=["copied-home", "cloned"])
-def test_routing_labels_every_row_and_snapshot_splits_per_request(home, monkeypatch):
+def test_routing_labels_every_row_and_snapshot_splits_per_request(home):
     """`home`: the step's rows are host copies made in the snapshot (a small step), or
     device clones copied home later (RowFamily.snapshot's two ways); either way the
     snapshot holds the step's values whatever the next step writes to the buffers."""
-    from graphtap.engine import rows as row_family
-
-    if not home:
-        monkeypatch.setattr(row_family, "HOME_BYTES", 0)
     f, et = family()
+    if not home:
+        f.home_bytes = 0
     t = et.ops.pattern
     f.add_request(0, "a", 5, spec(entry(1, [1, 3])))
     f.add_request(2, "b", 3, spec(entry(2, positions="last_prompt"), entry(1, [0])))

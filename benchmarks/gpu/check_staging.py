@@ -5,8 +5,8 @@ also while the device runs behind the host by as many steps as the ring has buff
 (a sleep kernel first: the engine's async scheduling, at its worst). The router routes
 as the torch router does, also where one graph replays the tokens' and a family's rows,
 and a small step's snapshot (host copies queued on the main stream) holds the step's
-rows whatever the next step writes. Runs on the CPU too (Triton's interpreter, no pinning), as
-tests/test_route_staged.py's CPU check of the same script.
+rows whatever the next step writes. Runs on the CPU too (Triton's interpreter, no
+pinning), as tests/test_route_staged.py's CPU check of the same script.
 
     bash benchmarks/gpu/run_gpu.sh stagecheck   (after the bundle's install)
 
@@ -106,7 +106,6 @@ def check_snapshots(rounds: int = 20, seed: int = 0) -> int:
     on the main stream, RowFamily.snapshot), and the next step overwrites the buffers at
     once, the device lagging. Its labels and count must equal the torch router's, its
     rows the written values."""
-    from graphtap.engine import rows as row_family
     from graphtap.engine.families.capture import CaptureFamily
     from graphtap.spec import CaptureEntry, NormalisedSpec
     from graphtap.spec.sites import SiteTable, expand_patterns
@@ -124,9 +123,13 @@ def check_snapshots(rounds: int = 20, seed: int = 0) -> int:
                                widths={"resid_post": (64, 0)}, backend=backend, sites=sites,
                                max_len=512, model_dtype=torch.float32)
         router = TokenRouter(et.ops, staging_depth=DEPTH)
+        # the family under test: host copies queued in the snapshot; the reference (the
+        # torch router's): device clones copied home later, RowFamily.snapshot's other way
         if router.staged:
             router.capture_graphs([et.ops.capture], 512, capture=None if DEV.type == "cuda"
                                   else lambda body: SimpleNamespace(replay=body))
+        else:
+            family.home_bytes = 0
         families.append((et, family, router))
     rules = ["all", "last_prompt", "prompt"]
     bad = 0
@@ -158,12 +161,7 @@ def check_snapshots(rounds: int = 20, seed: int = 0) -> int:
             t = et.ops.capture
             t.buf.copy_(torch.arange(t.buf.numel(), device=DEV, dtype=t.buf.dtype)
                         .view_as(t.buf) + step)  # the step's rows
-            # the reference: device clones copied home later (RowFamily.snapshot's
-            # other way), the family under test: host copies queued now
-            home, row_family.HOME_BYTES = row_family.HOME_BYTES, \
-                row_family.HOME_BYTES if router.staged else 0
             snap = family.snapshot()
-            row_family.HOME_BYTES = home
             t.buf.fill_(-1.0), t.labels.fill_(-7), t.count.zero_()  # the next step's
             snap.to_cpu_nonblocking()
             snaps.append(snap)

@@ -106,17 +106,16 @@ class CaptureStep(LabelledStep):
             return None
         if not used:
             return {}
-        raw = self.rows.view(torch.uint8).numpy()
+        raw, labels = self.rows.view(torch.uint8).numpy(), self.labels.numpy()[:used]
         if used >= self.uniform_rows:
             # one lexsort: cheaper here than sorted_labels' order check and the
             # layout's regrouping of the device's site-major rows
-            labels = self.labels.numpy()[:used]
             perm = np.lexsort(tuple(labels[:, c] for c in reversed(ORDER)))
             layout = uniform_layout(self, labels[perm], perm, ORDER)
             uniform = seal_uniform(layout, raw, self.rows.dtype) if layout else None
             if uniform is not None:
                 return uniform
-        return seal_small(self.labels.numpy()[:used, :HOST_LABELS], raw, self.rows.dtype,
+        return seal_small(labels[:, :HOST_LABELS], raw, self.rows.dtype,
                           self.formats, self.site_names, self.slot_to_req)
 
     def _split(self, keep: np.ndarray | None) -> dict[str, dict[str, torch.Tensor]]:

@@ -28,8 +28,6 @@ from graphtap.spec.sites import SiteTable
 
 PLANS = 256  # EntryPlans a family remembers (distinct entries of recent requests)
 SHAPES = 64  # prompt lengths a plan remembers its Wants and bitmaps for
-# A step's rows up to this many bytes go home on the main stream (RowFamily.snapshot)
-HOME_BYTES = 1 << 20
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -105,6 +103,9 @@ class RowFamily(FamilyBase):
 
     def write_extra(self, slot: int, i: int, entry) -> None:
         """Fields beyond site and positions (patterns: the chosen heads)."""
+
+    # A step's rows up to this many bytes go home on the main stream (snapshot)
+    home_bytes = 1 << 20
 
     # Whether a request's entries may key the family's remembered EntryPlans (hashing
     # them is cheap: not a probe's, which hold their weights).
@@ -259,7 +260,7 @@ class RowFamily(FamilyBase):
         # the family's own per-slot dicts (replaced, never changed, when a slot is
         # refilled): one entry per request, not per request and site
         formats = {s: self._formats[s] for s in slot_to_req}
-        home = not split and rows.numel() * rows.element_size() <= HOME_BYTES and \
+        home = not split and rows.numel() * rows.element_size() <= self.home_bytes and \
             self.copies_home(slot_to_req)
         if home:
             # Host copies queued on the main stream, ordered before the next step's
