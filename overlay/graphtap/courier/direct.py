@@ -18,6 +18,8 @@ decode step) is cut in array passes instead of the walk (seal_uniform, on the la
 uniform.py finds for the tensor split too)."""
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import torch
 
@@ -105,6 +107,7 @@ class _Cutter:
         self.size = dtype.itemsize
         self.columns = raw.shape[1] // self.size
         self._spans: dict[tuple, tuple | None] = {}
+        self._flat: memoryview | None = None  # raw's bytes, made at the first cut
 
     def __call__(self, fmt, rows: list[int]) -> Inline | None:
         span = self.span(fmt)
@@ -113,8 +116,16 @@ class _Cutter:
         lo, hi, tail = span
         if len(rows) * (hi - lo) >= INLINE_BYTES:
             return None  # a frame of its own: a tensor
-        data = np.ascontiguousarray(self.raw[rows, lo:hi])
-        return Inline(self.name, (len(rows), *tail), memoryview(data.reshape(-1)))
+        # Slices of one flat view of the host copy, joined: no numpy indexing per
+        # request. In the engine this runs once a step between forwards, its code cold,
+        # and each numpy call then costs tens of microseconds, not one
+        # (benchmarks/cpu/burst_timeline.py).
+        flat, stride = self._flat, self.raw.shape[1]
+        if flat is None:
+            flat = self._flat = memoryview(self.raw).cast("B")
+        data = flat[rows[0] * stride + lo:rows[0] * stride + hi] if len(rows) == 1 else \
+            b"".join([flat[r * stride + lo:r * stride + hi] for r in rows])
+        return Inline(self.name, (len(rows), *tail), data)
 
     def span(self, fmt) -> tuple[int, int, tuple[int, ...]] | None:
         """(first byte, end byte, shape after the row count) of a format's columns; None
@@ -136,4 +147,4 @@ class _Cutter:
 
 
 def _ints(values: list[int]) -> Inline:
-    return Inline("int64", (len(values),), memoryview(np.array(values, np.int64)))
+    return Inline("int64", (len(values),), memoryview(array("q", values)))  # numpy's int64

@@ -100,9 +100,10 @@ class CaptureStep(LabelledStep):
         the chunk way. Only a step of at most direct_rows rows, all home, no sink."""
         if self.sink is not None or not self.rows.is_contiguous():
             return None
-        count = self.count.numpy()
-        used = int(count[0])
-        if used > min(self.rows.shape[0], self.direct_rows) or used != int(count[1:].sum()):
+        # plain ints: a numpy reduction's code is cold here (burst_timeline.py)
+        count = self.count.tolist()
+        used = count[0]
+        if used > min(self.rows.shape[0], self.direct_rows) or used != sum(count) - used:
             return None
         if not used:
             return {}
