@@ -27,31 +27,17 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    import numpy as np
-    from vllm import LLM, SamplingParams
-
-    from benchmarks.gpu.workloads import hook_config, mode_hooks, model_dir
-    from graphtap.runner_info import WORKER_EXTENSION
+    from benchmarks.gpu.profile_capture import burst as run_burst
+    from benchmarks.gpu.profile_capture import engine
+    from benchmarks.gpu.workloads import model_dir
 
     path, cfg = model_dir("tiny")
     # 8 prompts a prefill step, as bench_tpot's 2048-token steps of 256-token prompts
-    llm = LLM(model=path, seed=0, max_model_len=400, max_num_seqs=64, dtype="float32",
-              hook_manager="graphtap", hook_config=hook_config(cfg, ["mixed", "dump"]),
-              enable_prefix_caching=False, enforce_eager=True,
-              worker_extension_cls=WORKER_EXTENSION,  # graphtap_host_timeline
-              max_num_batched_tokens=8 * args.input_len)
-    rng = np.random.default_rng(1)
-    vec = (rng.normal(size=cfg["hidden_size"]) * 0.1).astype(np.float32).tolist()
+    llm = engine(path, cfg, cpu=True, batched_tokens=8 * args.input_len)
 
     def burst(mode: str) -> list:
-        hooks = mode_hooks(mode, cfg, vec, args.input_len, "hs")
-        params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0,
-                                **({"hooks": hooks} if hooks else {}))
-        prompts = [{"prompt_token_ids": rng.integers(10, cfg["vocab_size"] - 10,
-                                                     args.input_len).tolist()}
-                   for _ in range(64)]
         llm.collective_rpc("graphtap_host_timeline")  # the calls before: dropped
-        llm.generate(prompts, [params] * 64, use_tqdm=False)
+        run_burst(llm, cfg, mode, 64, args.input_len, 8)
         return llm.collective_rpc("graphtap_host_timeline")[0]
 
     for mode in args.modes.split(","):

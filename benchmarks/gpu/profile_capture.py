@@ -35,10 +35,12 @@ STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
 
 
 def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: float = 4.0,
-           focus: bool = False, max_len: int = 400, prefill_graphs: bool = False):
+           focus: bool = False, max_len: int = 400, prefill_graphs: bool = False,
+           batched_tokens: int | None = None):
     """`sink`: the sink mode's layers (workloads.sink_sites), None: no sink mode;
     `sink_gb`: its memory bound; `focus`: configure the focus guard's pattern sites;
-    `prefill_graphs`: CUDA graphs up to the 2048-token step (graph_sizes.py)."""
+    `prefill_graphs`: CUDA graphs up to the 2048-token step (graph_sizes.py);
+    `batched_tokens`: a step's most tokens (default: vLLM's on the CPU, 2048 on a GPU)."""
     from vllm import LLM
 
     from graphtap.runner_info import WORKER_EXTENSION
@@ -67,6 +69,8 @@ def engine(path: str, cfg: dict, cpu: bool, sink: str | None = None, sink_gb: fl
             from graphtap.graph_sizes import prefill_compilation_config
 
             kw["compilation_config"] = prefill_compilation_config(2048)
+    if batched_tokens:
+        kw["max_num_batched_tokens"] = batched_tokens
     return LLM(**kw)
 
 
