@@ -1,11 +1,12 @@
 """The courier's split of a step whose requests all ask the same: every request with the
-same sites, the same rows at each, in one output format, packed together (the prefill
-step of a burst of one spec: a guard's or an hs probe's last-prompt rows). Its result
-is the array passes' (rows.py CaptureStep._split), made without a Python pass per
-(request, site) group: the step that admits a burst carries every one of its requests'
-rows, and its sampled tokens wait for the split (benchmarks/cpu: test_courier_split).
-uniform_layout says whether a step is so and how its rows go, for the tensor split
-here and for the direct seal (direct.seal_uniform) alike."""
+same sites, the same rows at each and the same output formats (the prefill step of a
+burst of one spec: a guard's or an hs probe's last-prompt rows, a qk probe's q and k).
+Its result is the array passes' (rows.py CaptureStep._split), made without a Python
+pass per (request, site) group: the step that admits a burst carries every one of its
+requests' rows, and its sampled tokens wait for the split (benchmarks/cpu:
+test_courier_split). uniform_layout says whether a step is so in one pack and how its
+rows go, for the tensor split here and for the direct seal (direct.seal_uniform) alike;
+split_uniform also takes steps of several packs and sites that travel alone."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -32,18 +33,47 @@ class Uniform(NamedTuple):
     index: np.ndarray
 
 
+class _Shape(NamedTuple):
+    """Requests that ask the same: ids, their labels and buffer rows request-major
+    (each `per` long: sites ascending, each site's rows in position order), the sites
+    (`order`) and rows at each (`counts`), and the formats they share."""
+
+    ids: list[str]
+    labels: np.ndarray
+    perm: np.ndarray
+    per: int
+    order: list[int]
+    counts: np.ndarray
+    formats: dict
+
+
 def uniform_layout(step, labels: np.ndarray, perm: np.ndarray,
                    cols: tuple[int, int, int]) -> Uniform | None:
     """`step`'s layout (a CaptureStep) from its sorted labels (sorted_labels: each
     (slot, site) group one run, in position order) and the buffer row of each, where
-    its requests are uniform; None where they are not. `cols`: the slot, site and
-    position columns."""
-    slot_col, site_col, pos_col = cols
+    its requests are uniform in one pack; None where they are not. `cols`: the slot,
+    site and position columns."""
+    s = _shape(step, labels, perm, cols, one_pack=True)
+    if s is None:
+        return None
+    reqs = len(s.ids)
+    # each request's index: its rows per site, then its rows' positions
+    index = np.empty((reqs, len(s.order) + s.per), np.int64)
+    index[:, :len(s.order)] = s.counts
+    index[:, len(s.order):] = s.labels[:, cols[2]].reshape(reqs, s.per)
+    return Uniform(s.ids, s.perm, s.per, pack_format(s.formats[s.order[0]]),
+                   pack_key([step.site_names[x] for x in s.order]), index)
+
+
+def _shape(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[int, int, int],
+           one_pack: bool) -> _Shape | None:
+    slot_col, site_col, _ = cols
     n = len(labels)
     if n < 2:
         return None
     # One request's sites and rows at each first, in a pass over the labels: a step
-    # that cannot be uniform (a site on its own, several formats) costs no sort
+    # that cannot be uniform (in one pack: a site on its own, several formats) costs
+    # no sort
     slot = labels[:, slot_col]
     mine = slot == slot[0]
     per = int(np.count_nonzero(mine))
@@ -52,10 +82,11 @@ def uniform_layout(step, labels: np.ndarray, perm: np.ndarray,
         return None
     order, counts = np.unique(labels[mine, site_col], return_counts=True)
     order = order.tolist()  # the sites, ascending
-    fmt = pack_format(formats[order[0]])
-    if any(pack_format(formats[s]) != fmt for s in order[1:]) or \
-            int(counts.max()) * row_bytes(fmt) >= SOLO_BYTES:
-        return None  # packs of several formats, or a site on its own
+    if one_pack:
+        fmt = pack_format(formats[order[0]])
+        if any(pack_format(formats[s]) != fmt for s in order[1:]) or \
+                int(counts.max()) * row_bytes(fmt) >= SOLO_BYTES:
+            return None  # packs of several formats, or a site on its own
     # request-major (the device writes rows site-major; each group stays in order)
     keys = group_keys(slot, labels[:, site_col])
     if (keys[1:] < keys[:-1]).any():
@@ -74,21 +105,51 @@ def uniform_layout(step, labels: np.ndarray, perm: np.ndarray,
     if None in ids or any(step.formats[s] is not formats and step.formats[s] != formats
                           for s in slots):
         return None  # a request gone (its rows are left out), or asking otherwise
-    # each request's index: its rows per site, then its rows' positions
-    index = np.empty((reqs, len(order) + per), np.int64)
-    index[:, :len(order)] = counts
-    index[:, len(order):] = labels[:, pos_col].reshape(reqs, per)
-    return Uniform(ids, perm, per, fmt, pack_key([step.site_names[s] for s in order]), index)
+    return _Shape(ids, labels, perm, per, order, counts, formats)
 
 
 def split_uniform(step, labels: np.ndarray, perm: np.ndarray,
                   cols: tuple[int, int, int]) -> dict[str, dict[str, torch.Tensor]] | None:
-    """`step`'s split where its requests are uniform (uniform_layout), else None (the
-    array passes then split it)."""
-    u = uniform_layout(step, labels, perm, cols)
-    if u is None:
+    """`step`'s split where its requests are uniform (_shape), else None (the array
+    passes then split it): per output format one gather of every request's rows, each
+    request's pack of that format's smaller sites one slice of it and each site with
+    SOLO_BYTES of rows or more one slice of its own, as _split makes them."""
+    s = _shape(step, labels, perm, cols, one_pack=False)
+    if s is None:
         return None
-    parts = step._gather(u.perm, u.fmt).split(u.per)  # request-major: one slice each
-    at = positions_key(u.key)
-    return {req: {u.key: rows, at: idx}
-            for req, rows, idx in zip(u.ids, parts, torch.from_numpy(u.index).unbind(0))}
+    reqs, (_, _, pos_col) = len(s.ids), cols
+    offsets = np.cumsum(s.counts) - s.counts  # each site's first row in a request's
+    by_fmt: dict[tuple, tuple[list[int], list[int]]] = {}
+    for j, site in enumerate(s.order):  # formats in the order _split meets them
+        fmt = pack_format(s.formats[site])
+        solo = int(s.counts[j]) * row_bytes(fmt) >= SOLO_BYTES
+        by_fmt.setdefault(fmt, ([], []))[solo].append(j)
+    perm = s.perm.reshape(reqs, s.per)
+    positions = s.labels[:, pos_col].astype(np.int64).reshape(reqs, s.per)
+    out: dict[str, dict[str, torch.Tensor]] = {req: {} for req in s.ids}
+    for fmt, (packed, solos) in by_fmt.items():
+        # a request's rows of this format: its packed sites', then each solo site's (all
+        # its rows, in order, where it is one pack: a decode step's, no reordering)
+        sel = slice(None) if len(packed) == len(s.order) else np.concatenate(
+            [np.arange(offsets[j], offsets[j] + s.counts[j]) for j in packed + solos])
+        sizes = ([int(s.counts[packed].sum())] if packed else []) + \
+            [int(s.counts[j]) for j in solos]
+        data = step._gather(perm[:, sel].reshape(-1), fmt).split(sizes * reqs)
+        mine = positions[:, sel]
+        at = torch.from_numpy(mine.reshape(-1)).split(sizes * reqs) if solos else ()
+        if packed:
+            key = pack_key([step.site_names[s.order[j]] for j in packed])
+            index = np.empty((reqs, len(packed) + sizes[0]), np.int64)
+            index[:, :len(packed)] = s.counts[packed]
+            index[:, len(packed):] = mine[:, :sizes[0]]
+            index_rows = torch.from_numpy(index).unbind(0)
+        names = [step.site_names[s.order[j]] for j in solos]
+        per = len(sizes)
+        for i, req in enumerate(s.ids):
+            chunk, first = out[req], i * per
+            if packed:
+                chunk[key], chunk[positions_key(key)] = data[first], index_rows[i]
+                first += 1
+            for k, name in enumerate(names):
+                chunk[name], chunk[positions_key(name)] = data[first + k], at[first + k]
+    return out
