@@ -31,6 +31,11 @@ STEER = [{"site": "blocks.2.hook_resid_post", "op": "add", "scale": 4.0,
           "vector": vector(256, 11)}]
 SPEC = {"steer": STEER, "capture": CAPTURE}
 PROMPT = "Steering vectors shift the hidden state"
+# ~290 tokens: its prefill step's rows per site (290 KB in float32) travel as frames, in a
+# message after the step's tokens (patch 0008)
+LONG = ("Captured rows cross the socket after the tokens of their step. " * 8).strip()
+LONG_SITES = [f"blocks.{layer}.hook_resid_post" for layer in range(4)]
+LONG_SPEC = {"capture": [{"site": s, "dtype": "float32"} for s in LONG_SITES]}
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "assistant:")
 
@@ -52,9 +57,14 @@ def offline(llama_path):
         plain = llm.generate([{"prompt_token_ids": ids}], params(), use_tqdm=False)[0]
         chat_ids = tokenize(llama_path, [f"user: {PROMPT}\nassistant:"])[0]
         chat = llm.generate([{"prompt_token_ids": chat_ids}], params(SPEC), use_tqdm=False)[0]
+        long_ids = tokenize(llama_path, [LONG])[0]
+        long = llm.generate([{"prompt_token_ids": long_ids}], params(LONG_SPEC),
+                            use_tqdm=False)[0]
         ref = {"ids": ids, "tokens": list(out.outputs[0].token_ids), "hooks": out.hooks,
                "plain": list(plain.outputs[0].token_ids), "chat_ids": chat_ids,
-               "chat_tokens": list(chat.outputs[0].token_ids), "chat_hooks": chat.hooks}
+               "chat_tokens": list(chat.outputs[0].token_ids), "chat_hooks": chat.hooks,
+               "long_ids": long_ids, "long_tokens": list(long.outputs[0].token_ids),
+               "long_hooks": long.hooks}
     finally:
         shutdown(llm)
     return ref
@@ -117,6 +127,26 @@ def test_completion_hooks_equal_offline(server, offline, encoding):
     choice = body["choices"][0]
     assert choice["token_ids"] == offline["tokens"] != offline["plain"]
     assert_same(decode(choice["hooks"], as_torch=True), offline["hooks"])
+
+
+def test_rows_sent_after_their_tokens_equal_hf_offline_and_served(server, offline,
+                                                                     llama_path):
+    """A long prompt's prefill rows (frames) leave the engine core in a message after the
+    step's tokens (patch 0008): offline and over HTTP they are HF's, every position."""
+    from graphtap.testing.engines import _hf_model
+    from graphtap.testing.hf_reference import hf_capture
+
+    ids, got = offline["long_ids"], offline["long_hooks"]
+    assert 256 <= len(ids) <= 500
+    want, positions, tokens = hf_capture(_hf_model(str(llama_path)), ids, 8, LONG_SITES)
+    assert offline["long_tokens"] == tokens and got.error is None
+    for site in LONG_SITES:
+        assert got.positions[site].tolist() == positions[site].tolist(), site
+        assert (got[site] - want[site]).abs().max().item() <= 1e-4, site
+    status, body = completion(server, ids, LONG_SPEC)
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == tokens
+    assert_same(decode(body["choices"][0]["hooks"], as_torch=True), got)
 
 
 def test_vllm_xargs_string_still_works(server, offline):

@@ -1,0 +1,127 @@
+"""A step's large hook outputs travel after its tokens (patch 0008): the engine core's
+output thread sends them as a message of their own right after the step's message,
+the frontend keeps them for the request and does nothing else with them, and a request
+that finishes in the step keeps its outputs in the step's message. Run through vLLM's
+own output thread (EngineCoreProc.process_output_sockets) over a ZMQ socket into an
+OutputProcessor, without an engine."""
+import queue
+import threading
+
+import pytest
+import torch
+import zmq
+from vllm import SamplingParams
+from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                            FinishReason)
+from vllm.v1.engine.core import EngineCoreProc
+from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.metrics.stats import IterationStats
+from vllm.v1.outputs import HookPayload
+from vllm.v1.serial_utils import MsgpackDecoder
+from vllm.v1.worker.gpu.hooks import HookFrontend, split_hook_rows
+
+from graphtap.courier.payload import INLINE_BYTES
+
+
+class Recorder(HookFrontend):
+    def finish_outputs(self, request_id, chunks, num_tokens):
+        return [(bytes(c.inline), {k: t.clone() for k, t in c.frames.items()}) for c in chunks]
+
+
+def large(v: float) -> HookPayload:  # a value that travels as a frame
+    return HookPayload(b"i%d" % v, {"k": torch.full((INLINE_BYTES // 4,), v)})
+
+
+def small(v: float) -> HookPayload:  # inline only
+    return HookPayload(b"s%d" % v)
+
+
+def out(rid, tokens, hooks=None, finish=None):
+    return EngineCoreOutput(request_id=rid, new_token_ids=tokens, hook_outputs=hooks,
+                            finish_reason=finish)
+
+
+def test_split_takes_large_outputs_of_requests_that_go_on_only():
+    step = EngineCoreOutputs(engine_index=3, outputs=[
+        out("a", [1], [large(1.0)]), out("b", [2], [large(2.0)], FinishReason.LENGTH),
+        out("c", [3], [small(3.0)]), out("d", [4]), out("e", [5], [small(4.0), large(5.0)])])
+    rows = split_hook_rows(step)
+    assert rows.engine_index == 3
+    assert [(o.request_id, o.new_token_ids, o.hooks_only) for o in rows.outputs] == \
+        [("a", [], True), ("e", [], True)]
+    assert [p.inline for p in rows.outputs[1].hook_outputs] == [b"s4", b"i5"]  # both, in order
+    # the step keeps its tokens, the finishing request's and the small outputs
+    assert [o.new_token_ids for o in step.outputs] == [[1], [2], [3], [4], [5]]
+    assert [o.hook_outputs is None for o in step.outputs] == [True, False, False, True, True]
+    assert not any(o.hooks_only for o in step.outputs)
+    # a step without large outputs (every step of stock vLLM) stays one message
+    plain = EngineCoreOutputs(outputs=[out("c", [3], [small(3.0)]), out("d", [4])])
+    assert split_hook_rows(plain) is None and plain.outputs[0].hook_outputs is not None
+
+
+def request(rid: str) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=[1, 2, 3], mm_features=None,
+        sampling_params=SamplingParams(max_tokens=3, detokenize=False), pooling_params=None,
+        arrival_time=0.0, lora_request=None, cache_salt=None, data_parallel_rank=None,
+        external_req_id=rid)
+
+
+@pytest.fixture
+def output_thread(tmp_path):
+    """vLLM's output thread sending to a PULL socket: (its queue, a receive function)."""
+    path = f"ipc://{tmp_path}/out.sock"
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(path)
+    core = EngineCoreProc.__new__(EngineCoreProc)  # only its output thread runs
+    core.output_queue = queue.Queue()
+    thread = threading.Thread(target=core.process_output_sockets, args=([path], None, 0),
+                              daemon=True)
+    thread.start()
+    decoder = MsgpackDecoder(EngineCoreOutputs)
+
+    def receive() -> EngineCoreOutputs | None:
+        if not pull.poll(5000):
+            return None
+        return decoder.decode(pull.recv_multipart(copy=False))
+
+    yield core.output_queue, receive
+    core.output_queue.put_nowait(EngineCoreProc.ENGINE_CORE_DEAD)
+    thread.join(10)
+    pull.close(linger=0)
+    ctx.term()
+
+
+def test_rows_follow_the_tokens_and_reach_the_finish_in_order(output_thread):
+    send, receive = output_thread
+    proc = OutputProcessor(None, log_stats=True, hooks=Recorder())
+    for rid in ("a", "b"):
+        proc.add_request(request(rid), None)
+    steps = [  # a: large rows at its first two steps; b: finishes with large rows
+        [out("a", [7], [large(1.0)]), out("b", [7], [small(2.0)])],
+        [out("a", [8], [large(3.0)]), out("b", [8], [large(4.0)], FinishReason.LENGTH)],
+        [out("a", [9], [small(5.0)], FinishReason.LENGTH)]]
+    for outputs in steps:
+        send.put_nowait((0, EngineCoreOutputs(outputs=outputs)))
+    messages = [receive() for _ in range(5)]
+    assert None not in messages
+    kinds = [[(o.request_id, o.hooks_only) for o in m.outputs] for m in messages]
+    # each step's message, then its large rows of requests that go on
+    assert kinds == [[("a", False), ("b", False)], [("a", True)],
+                     [("a", False), ("b", False)], [("a", True)], [("a", False)]]
+    finished, tokens_seen = {}, []
+    for m in messages:
+        stats = IterationStats()
+        done = proc.process_outputs(m.outputs, m.timestamp, stats)
+        tokens_seen.append(stats.num_generation_tokens)
+        assert not m.outputs[0].hooks_only or not done.request_outputs  # no output of its own
+        finished.update({o.request_id: o for o in done.request_outputs if o.finished})
+    assert tokens_seen == [2, 0, 2, 0, 1]  # the rows' messages count no tokens
+    assert list(finished["a"].outputs[0].token_ids) == [7, 8, 9]
+    # every payload reached the finish, in the order of the steps, values intact
+    got = {rid: [(inline, {k: t[0].item() for k, t in frames.items()})
+                 for inline, frames in o.hooks] for rid, o in finished.items()}
+    assert got == {"a": [(b"i1", {"k": 1.0}), (b"i3", {"k": 3.0}), (b"s5", {})],
+                   "b": [(b"s2", {}), (b"i4", {"k": 4.0})]}
+    assert finished["a"].metrics.num_generation_tokens == 3
