@@ -150,7 +150,12 @@ MODES = {"plain": None,
          "steer": {"steer": [{"site": "blocks.16.hook_resid_post", "op": "add", "scale": 1.0,
                               "vector": [0.25] * H, "positions": "all"}]},
          "hs": {"capture": [{"site": f"blocks.{layer}.hook_resid_post",
-                             "positions": "last_prompt"} for layer in HS]}}
+                             "positions": "last_prompt"} for layer in HS]},
+         "qk": {"capture": [c for layer in (4, 8, 16, 24) for c in (
+             {"site": f"blocks.{layer}.attn.hook_q", "positions": "last_prompt",
+              "heads": [0, 1, 2, 3]},
+             {"site": f"blocks.{layer}.attn.hook_k", "positions": "prompt",
+              "heads": [0, 1, 2, 3]})]}}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -180,5 +185,5 @@ def test_admission_step(benchmark, mode):
         return (), {}
 
     benchmark.pedantic(admit, setup=removed, rounds=200)
-    assert manager.stats()["capture"]["requests"] == (32 if mode == "hs" else 0)
+    assert manager.stats()["capture"]["requests"] == (32 if mode in ("hs", "qk") else 0)
     assert manager.stats()["steer"]["requests"] == (32 if mode == "steer" else 0)

@@ -48,6 +48,9 @@ class EntryPlan(NamedTuple):
     # per prompt length: the request's Wants (read-only once made: requests share it)
     # and each rule's (entries, bitmap), made once for the requests of that length
     shaped: dict[int, tuple[Wants, list[tuple[object, np.ndarray]]]]
+    # what a subclass derives from the entries, made once (capture: the columns a row
+    # spans, whether any entry reads heads)
+    memo: dict
 
 
 class RowFamily(FamilyBase):
@@ -124,14 +127,16 @@ class RowFamily(FamilyBase):
 
     # ---------------------------------------------------------------- requests
     def add_request(self, slot: int, req_id: str, prompt_len: int,
-                    spec: NormalisedSpec) -> None:
+                    spec: NormalisedSpec) -> EntryPlan | None:
+        """Fills the slot from the spec's entries of this family; their EntryPlan, or
+        None (no entries: the slot stays inactive)."""
         if self.holds(req_id):  # re-added (a subclass that removes it first: not again)
             self.remove_request(req_id)
         entries = self.entries(spec)
         self.reset_slot(slot, claim=bool(entries))
         self._table.drop(slot)
         if not entries:  # the slot stays inactive: nothing to write (a plain request)
-            return
+            return None
         # A burst's admission step runs this for each of its requests before the forward
         # (every one's first token waits for it): what the entries make whatever the
         # request is made once per distinct entries, and each position rule's runs and
@@ -149,6 +154,7 @@ class RowFamily(FamilyBase):
         self._slot_of[req_id] = slot
         self._wanted[req_id] = wanted
         self._table.set(slot, wanted)
+        return plan
 
     def _entry_plan(self, entries: tuple) -> EntryPlan:
         """The entries' EntryPlan, remembered per entries (frozen, hashable: a guard's or
@@ -186,7 +192,7 @@ class RowFamily(FamilyBase):
             rule[1] += per_token
             rule[2].append(i)
         return EntryPlan(np.array(sites, np.int32), formats, [tuple(r) for r in rules.values()],
-                         {})
+                         {}, {})
 
     def remove_request(self, req_id: str) -> None:
         if req_id in self._slot_of:

@@ -7,7 +7,7 @@ import torch
 
 from graphtap.courier import CaptureStep, OverflowKind, RowFormat, columns
 from graphtap.courier.rows import HOST_LABELS, NO_SINK
-from graphtap.engine.rows import RowFamily
+from graphtap.engine.rows import EntryPlan, RowFamily
 from graphtap.ops.tables import Label
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.sites import RESID_KINDS
@@ -64,15 +64,20 @@ class CaptureFamily(RowFamily):
         return not self._heads.isdisjoint(slots)
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
-                    spec: NormalisedSpec) -> None:
+                    spec: NormalisedSpec) -> EntryPlan | None:
         self._clear_slot(slot)
-        super().add_request(slot, req_id, prompt_len, spec)
-        if spec.capture:
-            self._cols[slot] = max(map(columns, self._formats[slot].values()))
-        if any(e.kind not in RESID_KINDS for e in spec.capture) and req_id in self._slot_of:
+        plan = super().add_request(slot, req_id, prompt_len, spec)
+        if plan is None:
+            return None
+        memo = plan.memo  # per distinct entries, as the plan (a burst asks the same)
+        if not memo:
+            memo["cols"] = max(map(columns, plan.formats.values()))
+            memo["heads"] = any(e.kind not in RESID_KINDS for e in spec.capture)
+        self._cols[slot] = memo["cols"]
+        if memo["heads"]:
             self._heads.add(slot)
-        if self.sink is None or req_id not in self._slot_of:
-            return
+        if self.sink is None:
+            return plan
         for e in spec.capture:
             if e.sink:
                 site = self.sites.id_of(e.layer, e.kind)
@@ -83,6 +88,7 @@ class CaptureFamily(RowFamily):
         if slot in self._sunk:
             self._sink_request[slot] = self.sink.request_index(req_id)
             self._sink_whole[slot] = all(e.sink for e in spec.capture)
+        return plan
 
     def remove_request(self, req_id: str) -> None:
         slot = self._slot_of.get(req_id)
