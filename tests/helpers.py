@@ -87,6 +87,19 @@ def engine_tables(**overrides):
 
 # ---------------------------------------------------------------- a vllm serve process
 
+def engine_request(rid: str, max_tokens: int = 2):
+    """An EngineCoreRequest of 3 prompt tokens, as the frontend admits it (for an
+    OutputProcessor without an engine)."""
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=[1, 2, 3], mm_features=None,
+        sampling_params=SamplingParams(max_tokens=max_tokens, detokenize=False),
+        pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
+        data_parallel_rank=None, external_req_id=rid)
+
+
 def post(url: str, body: dict, timeout: float = 120):
     req = urllib.request.Request(url, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})

@@ -3,11 +3,12 @@ one not, each admit, release and finish their own requests with their own fronte
 chunks reach it as the steps sent them (patch 0005)."""
 import torch
 
-from vllm import SamplingParams
-from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.outputs import HookPayload
 from vllm.v1.worker.gpu.hooks import HookFrontend
+
+from helpers import engine_request
 
 
 class Recorder(HookFrontend):
@@ -25,16 +26,8 @@ class Recorder(HookFrontend):
         return {"rows": torch.cat([c.frames["rows"] for c in chunks])}
 
 
-def request(rid: str) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=rid, prompt_token_ids=[1, 2, 3], mm_features=None,
-        sampling_params=SamplingParams(max_tokens=2, detokenize=False), pooling_params=None,
-        arrival_time=0.0, lora_request=None, cache_salt=None, data_parallel_rank=None,
-        external_req_id=rid)
-
-
 def run(proc: OutputProcessor, rid: str):
-    proc.add_request(request(rid), None)
+    proc.add_request(engine_request(rid), None)
     chunk = lambda v: HookPayload(frames={"rows": torch.full((1, 2), v)})  # noqa: E731
     proc.process_outputs([EngineCoreOutput(request_id=rid, new_token_ids=[7],
                                            hook_outputs=[chunk(1.0)])])
@@ -57,11 +50,11 @@ def test_each_engine_finishes_its_requests_with_its_own_frontend():
     # for them: an engine without a hook manager never gets any)
     assert [c.frames["rows"][0, 0].item() for c in out_b.hooks] == [1.0, 2.0, 3.0]
     # and a request that sent none gets None from it, as stock vLLM gives
-    b.add_request(request("bare"), None)
+    b.add_request(engine_request("bare"), None)
     bare = b.process_outputs([EngineCoreOutput(request_id="bare", new_token_ids=[7, 8],
                                                finish_reason=FinishReason.LENGTH)])
     assert bare.request_outputs[0].hooks is None
     # an abort goes to the request's own engine's frontend too
-    a.add_request(request("gone"), None)
+    a.add_request(engine_request("gone"), None)
     a.abort_requests(["gone"], internal=True)
     assert hooked.calls[-2:] == [("admit", "gone"), ("release", "gone")]

@@ -10,9 +10,7 @@ import threading
 import pytest
 import torch
 import zmq
-from vllm import SamplingParams
-from vllm.v1.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                            FinishReason)
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.engine.core import EngineCoreProc
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.metrics.stats import IterationStats
@@ -21,6 +19,7 @@ from vllm.v1.serial_utils import MsgpackDecoder
 from vllm.v1.worker.gpu.hooks import HookFrontend, split_hook_rows
 
 from graphtap.courier.payload import INLINE_BYTES
+from helpers import engine_request
 
 
 class Recorder(HookFrontend):
@@ -59,14 +58,6 @@ def test_split_takes_large_outputs_of_requests_that_go_on_only():
     assert split_hook_rows(plain) is None and plain.outputs[0].hook_outputs is not None
 
 
-def request(rid: str) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=rid, prompt_token_ids=[1, 2, 3], mm_features=None,
-        sampling_params=SamplingParams(max_tokens=3, detokenize=False), pooling_params=None,
-        arrival_time=0.0, lora_request=None, cache_salt=None, data_parallel_rank=None,
-        external_req_id=rid)
-
-
 @pytest.fixture
 def output_thread(tmp_path):
     """vLLM's output thread sending to a PULL socket: (its queue, a receive function)."""
@@ -97,7 +88,7 @@ def test_rows_follow_the_tokens_and_reach_the_finish_in_order(output_thread):
     send, receive = output_thread
     proc = OutputProcessor(None, log_stats=True, hooks=Recorder())
     for rid in ("a", "b"):
-        proc.add_request(request(rid), None)
+        proc.add_request(engine_request(rid, max_tokens=3), None)
     steps = [  # a: large rows at its first two steps; b: finishes with large rows
         [out("a", [7], [large(1.0)]), out("b", [7], [small(2.0)])],
         [out("a", [8], [large(3.0)]), out("b", [8], [large(4.0)], FinishReason.LENGTH)],
