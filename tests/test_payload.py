@@ -67,6 +67,17 @@ def test_small_values_ride_inside_the_message_large_ones_as_frames():
     assert frames == 2 and same(open_payload(back), {"k": big, "k@positions": torch.arange(len(big))})
 
 
+def test_a_request_that_may_stop_on_a_string_sends_large_values_inside_the_message():
+    """The frontend checks stop strings and may finish a request on a step's tokens; a
+    frame would go in a message after them (patch 0008) and miss the finish. Sealed
+    `all_inline`, a large value rides inside the step's message, equal."""
+    big = torch.randn(INLINE_BYTES // 2).reshape(-1, 64)
+    payload = seal({"k": big, "k@positions": torch.arange(len(big))}, all_inline=True)
+    assert payload.frames == {} and payload.inline
+    (back,), frames = through_vllm([payload])
+    assert frames == 1 and same(open_payload(back), {"k": big, "k@positions": torch.arange(len(big))})
+
+
 def test_a_guard_stop_becomes_the_payload_flag():
     payload = seal({FINISH: torch.ones(1, dtype=torch.int8), "s": torch.ones(1, 2)})
     assert payload.finish and payload.frames == {}

@@ -149,6 +149,27 @@ def test_rows_sent_after_their_tokens_equal_hf_offline_and_served(server, offlin
     assert_same(decode(body["choices"][0]["hooks"], as_torch=True), got)
 
 
+def test_a_stop_string_on_the_first_token_keeps_the_prompt_s_rows(server, offline,
+                                                                     llama_path):
+    """The frontend finishes a request on a stop string in its first token: its prefill
+    step's large rows ride inside that step's message, not in one after it (patch 0008),
+    which arrived after the finish and was dropped (the request came back without a row)."""
+    from transformers import AutoTokenizer
+
+    ids, want = offline["long_ids"], offline["long_hooks"]
+    text = AutoTokenizer.from_pretrained(str(llama_path)).decode(offline["long_tokens"][:1])
+    stop = text.strip()[:1] or text[:1]
+    status, body = completion(server, ids, LONG_SPEC, stop=[stop])
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and len(choice["token_ids"]) == 1, choice
+    got = decode(choice["hooks"], as_torch=True)
+    assert got.error is None
+    for site in LONG_SITES:  # every prompt position, as the run without a stop string
+        assert got.positions[site].tolist() == list(range(len(ids))), site
+        assert torch.equal(got[site], want[site][:len(ids)]), site
+
+
 def test_vllm_xargs_string_still_works(server, offline):
     status, body = completion(server, offline["ids"], SPEC, xargs=True)
     assert status == 200, body

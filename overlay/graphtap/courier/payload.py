@@ -50,10 +50,12 @@ _DECODER = msgspec.msgpack.Decoder(dict[str, Inline])
 SEP = "\x1f"
 
 
-def seal(*chunks: dict[str, torch.Tensor]) -> HookPayload:
+def seal(*chunks: dict[str, torch.Tensor], all_inline: bool = False) -> HookPayload:
     """A request's chunk of one step, or its held chunks of several, as they travel;
     FINISH (a guard's stop) becomes the payload's `finish`, on which vLLM's scheduler
-    finishes the request."""
+    finishes the request. `all_inline`: every value inside the message, however large (a
+    request the frontend may finish on the step's tokens, by a stop string: a frame
+    would go in a message after them, patch 0008, and miss the finish)."""
     inline: dict[str, Inline] = {}
     frames: dict[str, torch.Tensor] = {}
     items = chunks[0].items() if len(chunks) == 1 else \
@@ -63,7 +65,7 @@ def seal(*chunks: dict[str, torch.Tensor]) -> HookPayload:
     for key, t in items:
         if key == FINISH:
             continue
-        if t.nbytes >= INLINE_BYTES:
+        if t.nbytes >= INLINE_BYTES and not all_inline:
             frames[key] = t
         else:
             inline[key] = Inline(_NAMES[t.dtype], tuple(t.shape), _raw(t))

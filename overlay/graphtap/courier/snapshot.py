@@ -29,8 +29,11 @@ class StepSnapshots:
     """The snapshots of one step (rows, patterns), handed to vLLM's courier as one."""
 
     def __init__(self, parts: list["LabelledStep"], guards: dict | None = None,
-                 batch=None, hold=None, clock=None):
+                 batch=None, hold=None, clock=None, inline: set[str] | None = None):
         self.parts = parts
+        # requests whose values all travel inside the step's message, however large
+        # (stop strings: payload.seal)
+        self.inline = inline or ()
         self.guards = guards or {}  # req_id -> (GuardEntry, prompt_len) of the batch
         self.batch = batch  # courier.held.StepBatch, where a part or a chunk is held
         self.hold = hold  # courier.held_chunks.HeldChunks, where the engine holds chunks
@@ -84,7 +87,8 @@ class StepSnapshots:
         going = {req: (chunk,) for req, chunk in self.chunks(step).items()} \
             if self.hold is None else self.hold.step_snapshots(self, step)
         with named("graphtap.seal"):
-            return {req: seal(*sent) for req, sent in going.items()}
+            inline = self.inline
+            return {req: seal(*sent, all_inline=req in inline) for req, sent in going.items()}
 
     def _sealed(self) -> dict[str, HookPayload] | None:
         """Each request's payload made from the parts' host copies without chunks of

@@ -161,6 +161,10 @@ class EngineHooks(HookManager):
         self.router.capture_graphs([f.t for f in self.families if isinstance(f, RowFamily)],
                                    mc.max_model_len)
         self._guards: dict[str, tuple] = {}  # req_id -> (GuardEntry, prompt_len)
+        # Requests with stop strings, which the frontend checks: one may finish on a
+        # step's tokens before a message of that step's large values that came after
+        # them (patch 0008) arrives, so their values all travel inside the message.
+        self._stops: set[str] = set()
         self.clock = HostClock()  # this engine's host time per phase (stats: "host")
         self.hold = HeldChunks(self.config.hold_outputs_bytes) \
             if self.config.hold_outputs_bytes > 0 else None
@@ -215,6 +219,10 @@ class EngineHooks(HookManager):
             if probes and ending is not None:
                 self.probe_family.hold(new_req_data.req_id, ending)
             self._guards.pop(new_req_data.req_id, None)
+            if params is not None and params.stop and spec.captures_anything:
+                self._stops.add(new_req_data.req_id)
+            else:
+                self._stops.discard(new_req_data.req_id)
             if self.hold is not None:
                 self.hold.remove_request(new_req_data.req_id)
                 if holds_outputs(spec, params, self.hold.max_bytes):
@@ -226,6 +234,7 @@ class EngineHooks(HookManager):
     def remove_request(self, req_id) -> None:
         with self.clock.phase("remove_request"):
             self._guards.pop(req_id, None)
+            self._stops.discard(req_id)
             if self.hold is not None:  # unfinished (preempted, aborted): its chunks go
                 self.hold.remove_request(req_id)
             for family in self.families:
@@ -317,5 +326,7 @@ class EngineHooks(HookManager):
             guards = {r: self._guards[r] for r in input_batch.req_ids if r in self._guards} \
                 if self._guards else None
             held = hold is not None or any(getattr(p, "held", None) is not None for p in parts)
+            inline = {r for r in input_batch.req_ids if r in self._stops} \
+                if self._stops else None
             return StepSnapshots(parts, guards, StepBatch.of(input_batch) if held else None,
-                                 hold, self.clock)
+                                 hold, self.clock, inline)
