@@ -67,6 +67,8 @@ def uniform_layout(step, labels: np.ndarray, perm: np.ndarray,
 
 def _shape(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[int, int, int],
            one_pack: bool) -> _Shape | None:
+    """Whether the step's requests ask the same (and, with one_pack, in one pack of
+    one format, no site travelling alone), and their rows request-major; else None."""
     slot_col, site_col, _ = cols
     n = len(labels)
     if n < 2:
