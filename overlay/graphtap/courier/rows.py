@@ -100,10 +100,9 @@ class CaptureStep(LabelledStep):
         the chunk way. Only a step of at most direct_rows rows, all home, no sink."""
         if self.sink is not None or not self.rows.is_contiguous():
             return None
-        # plain ints: a numpy reduction's code is cold here (burst_timeline.py)
         count = self.count.tolist()
         used = count[0]
-        if used > min(self.rows.shape[0], self.direct_rows) or used != sum(count) - used:
+        if used > self.direct_rows or not self.all_home(count):
             return None
         if not used:
             return {}

@@ -204,6 +204,13 @@ class LabelledStep:
         """Each request's rows of the step, by output name (the family's split)."""
         raise NotImplementedError
 
+    def all_home(self, count: list[int]) -> bool:
+        """Whether every unit the step's requests wanted got a row and the row came home
+        (count: the step's counts as plain ints; a numpy reduction's code is cold once a
+        step between forwards, benchmarks/cpu/burst_timeline.py)."""
+        written = count[0]
+        return written <= self.rows.shape[0] and written == sum(count) - written
+
     def overflow(self) -> dict[str, dict[str, torch.Tensor]]:
         """The requests that lost rows this step, each with the overflow as its result
         (never a partial one); empty when every row came home. The device counted the
@@ -211,9 +218,9 @@ class LabelledStep:
         and labelled every row: a request with fewer labelled rows here than it wanted
         lost some (it did not fit, or the host's bound on the copy was short), and only
         such requests fail."""
-        written, wanted = int(self.count[0]), self.count[1:].numpy()
-        if written <= self.rows.shape[0] and written == int(wanted.sum()):
+        if self.all_home(self.count.tolist()):
             return {}  # every unit got a row and came home: the usual step
+        written, wanted = int(self.count[0]), self.count[1:].numpy()
         home = min(written, self.rows.shape[0])
         slots = self.labels[:home, SLOT_COLUMN].numpy()
         kept = np.bincount(slots, minlength=len(wanted)) if home else np.zeros_like(wanted)
