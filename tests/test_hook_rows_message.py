@@ -6,6 +6,7 @@ own output thread (EngineCoreProc.process_output_sockets) over a ZMQ socket into
 OutputProcessor, without an engine."""
 import queue
 import threading
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -116,3 +117,32 @@ def test_rows_follow_the_tokens_and_reach_the_finish_in_order(output_thread):
     assert got == {"a": [(b"i1", {"k": 1.0}), (b"i3", {"k": 3.0}), (b"s5", {})],
                    "b": [(b"s2", {}), (b"i4", {"k": 4.0})]}
     assert finished["a"].metrics.num_generation_tokens == 3
+
+
+class Gated(HookPayload, gc=True):
+    """A deferred payload (courier/later.py's kind) whose settle waits for `gate`."""
+
+    deferred: ClassVar[bool] = True
+    gate: Any = None
+    value: Any = None
+
+    def settle(self) -> HookPayload:
+        self.gate.wait(10)
+        return self.value
+
+
+def test_deferred_outputs_are_made_after_the_tokens_left(output_thread):
+    send, receive = output_thread
+    gate = threading.Event()
+    send.put_nowait((0, EngineCoreOutputs(outputs=[
+        out("a", [7], [Gated(gate=gate, value=large(1.0))]), out("b", [7])])))
+    # the step's message arrives while its rows are still being made
+    step = receive()
+    assert step is not None and not gate.is_set()
+    assert [(o.request_id, o.new_token_ids, o.hook_outputs) for o in step.outputs] == \
+        [("a", [7], None), ("b", [7], None)]
+    gate.set()
+    rows = receive()
+    assert [(o.request_id, o.hooks_only) for o in rows.outputs] == [("a", True)]
+    (payload,) = rows.outputs[0].hook_outputs
+    assert payload.inline == b"i1" and payload.frames["k"][0].item() == 1.0

@@ -105,7 +105,10 @@ def open_chunks(payload: HookPayload) -> list[dict[str, torch.Tensor]]:
 
 def open_payload(payload: HookPayload) -> dict[str, torch.Tensor]:
     """A payload's values by key (of a single chunk: the chunk it was sealed from):
-    inline values first (tensors over their own decoded bytes), then the frames."""
+    inline values first (tensors over their own decoded bytes), then the frames. A
+    deferred payload (courier/later.py) is settled first: an in-process engine has no
+    output thread that would have."""
+    payload = payload.settle()
     out: dict[str, torch.Tensor] = {}
     if payload.inline:
         for key, v in _DECODER.decode(payload.inline).items():

@@ -17,12 +17,17 @@ import torch
 from vllm.v1.outputs import HookPayload
 
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
+from graphtap.courier.later import DeferredSplit
 from graphtap.courier.pack import run_starts
 from graphtap.courier.payload import seal, seal_values
 from graphtap.ops.tables import Label
 from graphtap.profiling import HostClock, named
 
 SLOT_COLUMN = int(Label.SLOT)
+# A step with this many bytes of rows is split after its tokens have left (later.py);
+# a smaller one's split (a few requests' last-prompt rows) costs less than the message
+# of its own the rows then take
+DEFER_BYTES = 64 << 10
 
 
 class StepSnapshots:
@@ -74,9 +79,30 @@ class StepSnapshots:
 
     def per_request(self, step=None) -> dict[str, HookPayload]:
         """What each request of the step gets (vLLM's HookStepOutput): its chunk sealed
-        as it travels (payload.py)."""
+        as it travels (payload.py), or a payload settled after the step's tokens have
+        left (courier/later.py), where the split may wait."""
         with self.clock.phase("per_request"):
+            requests = self._defers()
+            if requests is not None:
+                self.release_parts()  # the copy is done (after the copy event)
+                return DeferredSplit(self, requests).payloads()
             return self._per_request(step)
+
+    def split_now(self) -> dict[str, HookPayload]:
+        """A deferred step's payloads (DeferredSplit, on the engine core's output
+        thread): nothing held, so no step output is needed."""
+        return self._per_request(None)
+
+    def _defers(self) -> set[str] | None:
+        """The requests of a step whose split waits until its tokens have left: one
+        with DEFER_BYTES of rows or more that may wait (no guard, held rows or sink),
+        where the engine holds no chunks and no request may finish on a stop string
+        (its values travel in the step's message: payload.seal); else None."""
+        if self.hold is not None or not self.may_wait() or \
+                sum(p.used_bytes() for p in self.parts) < DEFER_BYTES:
+            return None
+        requests = self.requests()
+        return None if requests.intersection(self.inline) else requests
 
     def _per_request(self, step) -> dict[str, HookPayload]:
         direct = self._sealed() if self.hold is None and not self.guards else None
@@ -183,6 +209,11 @@ class LabelledStep:
 
     def release_device(self) -> None:
         self._device = None
+
+    def used_bytes(self) -> int:
+        """Host bytes of the rows the step wrote (after the copy)."""
+        used = min(int(self.count[0]), self.rows.shape[0])
+        return used * self.rows.shape[1] * self.rows.element_size() if used else 0
 
     def sealed(self) -> dict[str, dict] | None:
         """Per request its payload values (payload.Inline) made straight from the host

@@ -1,0 +1,142 @@
+"""A step's split after its tokens have left (courier/later.py): which steps wait, and
+that what they settle to is what the split made before, value for value."""
+import pickle
+import threading
+
+import torch
+from vllm.v1.outputs import HookPayload
+from vllm.v1.worker.gpu.hooks import settle_hook_rows, split_hook_rows
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+from graphtap.courier import RowFormat, StepSnapshots
+from graphtap.courier.chunks import ERROR, error_message
+from graphtap.courier.held_chunks import HeldChunks
+from graphtap.courier.later import EMPTY, LaterPayload
+from graphtap.courier.payload import open_payload
+from graphtap.courier.snapshot import DEFER_BYTES
+from test_courier_direct import NAMES, make
+
+K = RowFormat(torch.bfloat16, 512, (0, 1, 2, 3), 128)  # a k site of 4 heads, as qk asks
+
+
+def qk_step(reqs: int = 3, positions: int = 80, idle: bool = True):
+    """A prefill step of `reqs` requests capturing k at every position of 2 sites (rows
+    written site-major, as the device does), and a request of the batch without rows."""
+    labels = [(r, site, p) for site in (1, 2) for r in range(reqs) for p in range(positions)]
+    rows = torch.randn(len(labels), 512).to(torch.bfloat16)
+    slot_to_req = {r: f"r{r}" for r in range(reqs)} | ({reqs: "idle"} if idle else {})
+    formats = {r: {1: K, 2: K} for r in range(reqs)}
+    return rows, labels, slot_to_req, formats
+
+
+def snapshots(step=None, **kw) -> StepSnapshots:
+    rows, labels, slot_to_req, formats = step or qk_step()
+    return StepSnapshots([make(rows, labels, len(labels), slot_to_req, formats)], **kw)
+
+
+def opened(payload: HookPayload) -> dict:
+    return {k: t.clone() for k, t in open_payload(payload).items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_large_step_settles_to_what_its_split_made_before():
+    step = qk_step()
+    assert step[0].numel() * 2 >= DEFER_BYTES
+    now = snapshots(step)._per_request(None)
+    later = snapshots(step).per_request(None)
+    # every request of the batch with entries gets one: the one without rows settles
+    # empty, and nothing is split until the first settle
+    assert later.keys() == {"r0", "r1", "r2", "idle"}
+    assert all(isinstance(p, LaterPayload) and p.deferred for p in later.values())
+    assert later["r0"].split._made is None
+    for req, p in later.items():
+        settled = p.settle()
+        assert not settled.deferred
+        if req == "idle":
+            assert settled is EMPTY
+        else:
+            assert same(opened(settled), opened(now[req])), req
+            assert any(t.nbytes >= 64 << 10 for t in settled.frames.values())  # k travels alone
+    assert later["r0"].split._snapshots is None  # the host copies went with the split
+
+
+def test_what_waits_and_what_does_not():
+    small = qk_step(reqs=1, positions=4)  # 8 rows: split at once, in the step's message
+    assert not any(p.deferred for p in snapshots(small).per_request(None).values())
+    assert snapshots(guards={"r0": (object(), 80)})._defers() is None  # it may stop one
+    # a request the frontend may finish on a stop string keeps the whole step in its
+    # message; so does an engine that holds chunks
+    assert not any(p.deferred for p in snapshots(inline={"r1"}).per_request(None).values())
+    held = snapshots(hold=HeldChunks(1 << 20))
+    assert held._defers() is None
+    assert all(p.deferred for p in snapshots(inline={"elsewhere"}).per_request(None).values())
+
+
+def test_a_split_that_fails_fails_the_steps_requests_not_the_thread():
+    snap = snapshots()
+    later = snap.per_request(None)
+    snap.parts[0].labels = None  # the split raises
+
+    for p in later.values():
+        got = open_payload(p)
+        assert "could not split a step's rows (AttributeError" in error_message(got[ERROR])
+
+
+def test_concurrent_settles_split_once():
+    snap = snapshots()
+    calls = []
+    split_now = snap.split_now
+    snap.split_now = lambda: calls.append(1) or split_now()
+    later = snap.per_request(None)
+    threads = [threading.Thread(target=p.settle) for p in later.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [1]
+
+
+def out(rid, tokens, hooks=None, finish=None):
+    return EngineCoreOutput(request_id=rid, new_token_ids=tokens, hook_outputs=hooks,
+                            finish_reason=finish)
+
+
+def test_vllm_moves_deferred_outputs_after_the_step_and_settles_the_finishing_ones():
+    data = qk_step()
+    later = snapshots(data).per_request(None)
+    now = snapshots(data)._per_request(None)
+    step = EngineCoreOutputs(outputs=[
+        out("r0", [1], [later["r0"]]), out("r1", [2], [later["r1"]], FinishReason.STOP),
+        out("r2", [3], [HookPayload(b"x"), later["r2"]]), out("idle", [4], [later["idle"]])])
+    rows = split_hook_rows(step)
+    # the finishing request's is settled in place (the frontend finishes it on this
+    # message); the others leave the step's message unsettled, in their order
+    assert not step.outputs[1].hook_outputs[0].deferred
+    assert same(opened(step.outputs[1].hook_outputs[0]), opened(now["r1"]))
+    assert [o.hook_outputs for o in step.outputs if o.request_id != "r1"] == [None] * 3
+    assert [o.request_id for o in rows.outputs] == ["r0", "r2", "idle"]
+    assert rows.outputs[1].hook_outputs[0].inline == b"x"
+    settled = settle_hook_rows(rows)
+    # settled: every value made, and the request without rows is left out
+    assert [o.request_id for o in settled.outputs] == ["r0", "r2"]
+    assert not any(p.deferred for o in settled.outputs for p in o.hook_outputs)
+    assert same(opened(settled.outputs[0].hook_outputs[0]), opened(now["r0"]))
+    assert same(opened(settled.outputs[1].hook_outputs[1]), opened(now["r2"]))
+    # a message whose every deferred payload came out empty is not sent
+    idle = snapshots().per_request(None)["idle"]
+    assert settle_hook_rows(split_hook_rows(EngineCoreOutputs(outputs=[
+        out("idle", [4], [idle])]))) is None
+
+
+def test_a_worker_of_its_own_process_sends_the_payloads_made():
+    """vLLM's multiprocessing executor pickles the step's output to the engine core."""
+    data = qk_step()
+    now = snapshots(data)._per_request(None)
+    sent = pickle.loads(pickle.dumps(snapshots(data).per_request(None),
+                                     protocol=pickle.HIGHEST_PROTOCOL))
+    assert type(sent["r0"]) is HookPayload and type(sent["idle"]) is HookPayload
+    assert all(same(opened(sent[r]), opened(now[r])) for r in now)
+    assert opened(sent["idle"]) == {}
