@@ -14,9 +14,11 @@ import statistics
 
 # the hook manager's phases that do not nest in another (prepare_step holds
 # prepare_plan, prepare_route_tokens and prepare_route_rows); per_request runs on
-# vLLM's async output thread, the others on the engine core's busy loop
+# vLLM's async output thread, split_later (a step's split after its tokens left,
+# courier/later.py) on the engine core's output thread, the others on its busy loop
 TOP = ("add_request", "remove_request", "apply_staged_writes", "prepare_step", "collect",
-       "to_cpu", "per_request")
+       "to_cpu", "per_request", "split_later")
+OFF_LOOP = ("per_request", "split_later")
 
 
 def marks(out) -> list[float] | None:
@@ -41,7 +43,7 @@ async def fetch_timeline(engine, since: float, until: float = float("inf")) -> l
 
 def window(run: dict) -> dict | None:
     """Request 0's window (ms) and the ms of each top-level phase inside it, with their
-    sums on the busy loop (`main`) and on the output thread (`per_request`)."""
+    sum on the busy loop (`main`); per_request and split_later run on other threads."""
     m = (run.get("ttft_marks_by_request") or [None])[0]
     calls = run.get("host_timeline")
     if not m or calls is None:
@@ -52,7 +54,7 @@ def window(run: dict) -> dict | None:
         if name in out:
             end = start + ms / 1e3
             out[name] += max(0.0, min(end, hi) - max(start, lo)) * 1e3
-    out["main"] = sum(v for k, v in out.items() if k in TOP and k != "per_request")
+    out["main"] = sum(v for k, v in out.items() if k in TOP and k not in OFF_LOOP)
     out["window"] = (hi - lo) * 1e3
     return out
 
