@@ -11,7 +11,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from graphtap.courier import RowFormat, StepSnapshots
 from graphtap.courier.chunks import ERROR, error_message
 from graphtap.courier.held_chunks import HeldChunks
-from graphtap.courier.later import EMPTY, LaterPayload
+from graphtap.courier.later import EMPTY, LaterPayload, Unsettled
 from graphtap.courier.payload import open_payload
 from graphtap.courier.snapshot import DEFER_BYTES
 from test_courier_direct import NAMES, make
@@ -51,16 +51,32 @@ def test_a_large_step_settles_to_what_its_split_made_before():
     # empty, and nothing is split until the first settle
     assert later.keys() == {"r0", "r1", "r2", "idle"}
     assert all(isinstance(p, LaterPayload) and p.deferred for p in later.values())
-    assert later["r0"].split._made is None
+    split = later["r0"].split
+    assert not split.made
     for req, p in later.items():
         settled = p.settle()
-        assert not settled.deferred
+        assert not settled.deferred and p.settle() is settled  # once made, kept
         if req == "idle":
             assert settled is EMPTY
         else:
             assert same(opened(settled), opened(now[req])), req
             assert any(t.nbytes >= 64 << 10 for t in settled.frames.values())  # k travels alone
-    assert later["r0"].split._snapshots is None  # the host copies went with the split
+    # the host copies went with the split, and each payload left it as it was settled
+    assert split._snapshots is None and split._made == {}
+
+
+def test_a_step_no_settle_makes_is_made_at_the_next_one():
+    """A step whose requests are all mid-prefill: the scheduler keeps their payloads
+    until a later output, and the step's pinned copy must not wait that long."""
+    unsettled = Unsettled()
+    data = qk_step()
+    first = snapshots(data, unsettled=unsettled).per_request(None)
+    split = first["r0"].split
+    assert not split.made
+    snapshots(qk_step(), unsettled=unsettled).per_request(None)  # the next step
+    assert split.made and split._snapshots is None
+    now = snapshots(data)._per_request(None)
+    assert same(opened(first["r0"].settle()), opened(now["r0"]))
 
 
 def test_what_waits_and_what_does_not():
@@ -85,18 +101,23 @@ def test_a_split_that_fails_fails_the_steps_requests_not_the_thread():
         assert "could not split a step's rows (AttributeError" in error_message(got[ERROR])
 
 
+class Counted(StepSnapshots):
+    calls = 0
+
+    def split_now(self):
+        Counted.calls += 1
+        return super().split_now()
+
+
 def test_concurrent_settles_split_once():
-    snap = snapshots()
-    calls = []
-    split_now = snap.split_now
-    snap.split_now = lambda: calls.append(1) or split_now()
-    later = snap.per_request(None)
+    rows, labels, slot_to_req, formats = qk_step()
+    later = Counted([make(rows, labels, len(labels), slot_to_req, formats)]).per_request(None)
     threads = [threading.Thread(target=p.settle) for p in later.values()]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert calls == [1]
+    assert Counted.calls == 1
 
 
 def out(rid, tokens, hooks=None, finish=None):

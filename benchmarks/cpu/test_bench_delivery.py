@@ -151,3 +151,27 @@ def test_split_and_seal_beside_a_busy_thread(benchmark, reqs, busy):
         if busy:
             thread.join()
     assert len(out) == reqs and all(not p.frames for p in out.values())
+
+
+@pytest.mark.parametrize("path", ["now", "later", "settle"])
+@pytest.mark.parametrize("reqs,rows_each,load", [(8, 256, "qk"), (8, 1, "dump")],
+                         ids=["qk-prefill8", "hs-step8"])
+def test_what_a_steps_tokens_wait_for(benchmark, reqs, rows_each, load, path):
+    """What vLLM's async output thread does with a step's hook outputs before the
+    scheduler sees the step's tokens (StepSnapshots.per_request): `now`, the split and
+    seal (before courier/later.py, and still for steps that may not wait); `later`, the
+    deferred payloads that replace them for a step of DEFER_BYTES of rows or more; and
+    `settle`, later plus every payload settled, the split the engine core's output thread
+    then makes after the step's message has gone."""
+    from graphtap.courier import StepSnapshots
+
+    def run(snap):
+        if path == "now":
+            return snap._per_request(None)
+        out = snap.per_request(None)
+        return {r: p.settle() for r, p in out.items()} if path == "settle" else out
+
+    out = benchmark.pedantic(run, rounds=100, setup=lambda: (
+        (StepSnapshots([step_snapshot(reqs, rows_each, load)]),), {}))
+    assert len(out) == reqs
+    assert all(p.deferred for p in out.values()) == (path == "later")

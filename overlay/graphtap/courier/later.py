@@ -12,7 +12,8 @@ message (split_hook_rows, settle_hook_rows), and the step's split runs there, on
 all of them. A request that finishes in the step has its payload settled before the
 step's message goes; an in-process engine (no output thread) settles at the finish
 (payload.open_payload), and a worker in a process of its own when it pickles the
-step's output (LaterPayload.__reduce__)."""
+step's output (LaterPayload.__reduce__). A step none of whose requests has an output
+yet (every one mid-prefill) is made at the next step (Unsettled)."""
 from __future__ import annotations
 
 import logging
@@ -37,9 +38,13 @@ class LaterPayload(HookPayload, gc=True):
     deferred: ClassVar[bool] = True
     req: str = ""
     split: Any = None  # the step's DeferredSplit
+    made: Any = None  # what settle() made (the split hands each payload out once)
 
     def settle(self) -> HookPayload:
-        return self.split.payload(self.req)
+        if self.made is None:
+            self.made = self.split.payload(self.req)
+            self.split = None
+        return self.made
 
     def __reduce__(self):
         # A worker in a process of its own (vLLM's multiprocessing executor: TP > 1,
@@ -50,9 +55,9 @@ class LaterPayload(HookPayload, gc=True):
 
 
 class DeferredSplit:
-    """A step's per-request split, made at the first settle and shared by its requests'
-    payloads (the output thread settles them one by one; a lock keeps an in-process
-    frontend's settle from making it twice)."""
+    """A step's per-request split, made at the first settle (or by Unsettled) and shared
+    by its requests' payloads, each handed out once (the output thread settles them one
+    by one; a lock keeps two threads from making it twice)."""
 
     def __init__(self, snapshots, requests: set[str]):
         self._snapshots, self._requests = snapshots, requests
@@ -62,12 +67,20 @@ class DeferredSplit:
     def payloads(self) -> dict[str, LaterPayload]:
         return {req: LaterPayload(req=req, split=self) for req in self._requests}
 
-    def payload(self, req: str) -> HookPayload:
+    @property
+    def made(self) -> bool:
+        return self._made is not None
+
+    def make(self) -> None:
         with self._lock:
             if self._made is None:
                 self._made = self._make()
                 self._snapshots = None  # the step's host copies go once split
-            return self._made.get(req, EMPTY)
+
+    def payload(self, req: str) -> HookPayload:
+        self.make()
+        with self._lock:
+            return self._made.pop(req, EMPTY)
 
     def _make(self) -> dict[str, HookPayload]:
         snapshots = self._snapshots
@@ -80,3 +93,25 @@ class DeferredSplit:
                 f"hooks: graphtap could not split a step's rows ({type(e).__name__}: "
                 f"{e}); please report it")})
             return {req: failed for req in self._requests}
+
+
+class Unsettled:
+    """One engine's deferred splits that no settle has made yet (EngineHooks owns it).
+    The scheduler keeps a payload of a request whose prefill goes on in later steps
+    until the request's next output: a step whose every request is such (a long prompt
+    alone in the batch) would keep its pinned host copy that long. The next step's
+    per_request makes the older ones that are still waiting, on vLLM's async output
+    thread (where the split ran before): at most one step's copy stays pinned."""
+
+    def __init__(self) -> None:
+        self._waiting: list[DeferredSplit] = []
+
+    def make_older(self) -> None:
+        """Makes the splits of earlier steps that no settle has made."""
+        waiting, self._waiting = self._waiting, []
+        for split in waiting:
+            split.make()  # a no-op for those the output thread has made
+
+    def add(self, split: DeferredSplit) -> DeferredSplit:
+        self._waiting.append(split)
+        return split

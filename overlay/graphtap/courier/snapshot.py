@@ -17,7 +17,7 @@ import torch
 from vllm.v1.outputs import HookPayload
 
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
-from graphtap.courier.later import DeferredSplit
+from graphtap.courier.later import DeferredSplit, Unsettled
 from graphtap.courier.pack import run_starts
 from graphtap.courier.payload import seal, seal_values
 from graphtap.ops.tables import Label
@@ -34,8 +34,12 @@ class StepSnapshots:
     """The snapshots of one step (rows, patterns), handed to vLLM's courier as one."""
 
     def __init__(self, parts: list["LabelledStep"], guards: dict | None = None,
-                 batch=None, hold=None, clock=None, inline: set[str] | None = None):
+                 batch=None, hold=None, clock=None, inline: set[str] | None = None,
+                 unsettled: Unsettled | None = None):
         self.parts = parts
+        # the engine's deferred splits not yet made (later.py): older ones are made at
+        # this step's per_request
+        self.unsettled = unsettled if unsettled is not None else Unsettled()
         # requests whose values all travel inside the step's message, however large
         # (stop strings: payload.seal)
         self.inline = inline or ()
@@ -82,10 +86,11 @@ class StepSnapshots:
         as it travels (payload.py), or a payload settled after the step's tokens have
         left (courier/later.py), where the split may wait."""
         with self.clock.phase("per_request"):
+            self.unsettled.make_older()
             requests = self._defers()
             if requests is not None:
                 self.release_parts()  # the copy is done (after the copy event)
-                return DeferredSplit(self, requests).payloads()
+                return self.unsettled.add(DeferredSplit(self, requests)).payloads()
             return self._per_request(step)
 
     def split_now(self) -> dict[str, HookPayload]:

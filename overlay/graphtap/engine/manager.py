@@ -18,6 +18,7 @@ from graphtap.config import HookConfig, load_hook_config
 from graphtap.courier import StepSnapshots
 from graphtap.courier.held import Ending, StepBatch
 from graphtap.courier.held_chunks import HeldChunks, holds_outputs
+from graphtap.courier.later import Unsettled
 from graphtap.courier.sink import SinkFailed, SinkWriter
 from graphtap.courier.staging import Staging
 from graphtap.engine.families.capture import CaptureFamily
@@ -166,6 +167,7 @@ class EngineHooks(HookManager):
         # them (patch 0008) arrives, so their values all travel inside the message.
         self._stops: set[str] = set()
         self.clock = HostClock()  # this engine's host time per phase (stats: "host")
+        self.unsettled = Unsettled()  # deferred splits no settle has made (courier/later.py)
         self.hold = HeldChunks(self.config.hold_outputs_bytes) \
             if self.config.hold_outputs_bytes > 0 else None
         logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB",
@@ -329,4 +331,4 @@ class EngineHooks(HookManager):
             inline = {r for r in input_batch.req_ids if r in self._stops} \
                 if self._stops else None
             return StepSnapshots(parts, guards, StepBatch.of(input_batch) if held else None,
-                                 hold, self.clock, inline)
+                                 hold, self.clock, inline, self.unsettled)
