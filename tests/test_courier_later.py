@@ -14,6 +14,7 @@ from graphtap.courier.held_chunks import HeldChunks
 from graphtap.courier.later import EMPTY, LaterPayload, Unsettled
 from graphtap.courier.payload import open_payload
 from graphtap.courier.snapshot import DEFER_BYTES
+from graphtap.profiling import HostClock
 from test_courier_direct import NAMES, make
 
 K = RowFormat(torch.bfloat16, 512, (0, 1, 2, 3), 128)  # a k site of 4 heads, as qk asks
@@ -68,15 +69,21 @@ def test_a_large_step_settles_to_what_its_split_made_before():
 def test_a_step_no_settle_makes_is_made_at_the_next_one():
     """A step whose requests are all mid-prefill: the scheduler keeps their payloads
     until a later output, and the step's pinned copy must not wait that long."""
-    unsettled = Unsettled()
+    unsettled, clock = Unsettled(), HostClock()
     data = qk_step()
-    first = snapshots(data, unsettled=unsettled).per_request(None)
+    first = snapshots(data, unsettled=unsettled, clock=clock).per_request(None)
     split = first["r0"].split
     assert not split.made
-    snapshots(qk_step(), unsettled=unsettled).per_request(None)  # the next step
+    snapshots(qk_step(), unsettled=unsettled, clock=clock).per_request(None)  # the next step
     assert split.made and split._snapshots is None
     now = snapshots(data)._per_request(None)
     assert same(opened(first["r0"].settle()), opened(now["r0"]))
+    # made inside the next step's per_request, which counts its time: no split_later
+    # phase of its own (the output thread's, which may run at the same time)
+    assert [c[0] for c in clock.calls] == ["per_request", "per_request"]
+    third = snapshots(qk_step(), clock=clock).per_request(None)
+    third["r0"].settle()
+    assert [c[0] for c in clock.calls][-1] == "split_later"
 
 
 def test_what_waits_and_what_does_not():

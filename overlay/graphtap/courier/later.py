@@ -5,7 +5,7 @@ step's output to the scheduler, so every token of the step waited for the split:
 prefill step of 8 requests capturing k at every prompt position (8 MiB of rows) took
 milliseconds, and a burst of 64 such requests reached its first tokens that much later
 than idle ones at every step that admitted some of them. A step whose split may wait
-(StepSnapshots.defers: no guard to evaluate, nothing held, no sink, no request the
+(StepSnapshots._defers: no guard to evaluate, nothing held, no sink, no request the
 frontend may finish on a stop string) now gives each of its requests a LaterPayload
 instead; the engine core's output thread settles them after it has sent the step's
 message (split_hook_rows, settle_hook_rows), and the step's split runs there, once, for
@@ -71,10 +71,16 @@ class DeferredSplit:
     def made(self) -> bool:
         return self._made is not None
 
-    def make(self) -> None:
+    def make(self, timed: bool = True) -> None:
+        """Splits the step, once. `timed`: in the engine's clock as split_later (not
+        where it runs inside per_request, whose time already counts it: Unsettled)."""
         with self._lock:
             if self._made is None:
-                self._made = self._make()
+                if timed:
+                    with self._snapshots.clock.phase("split_later"):
+                        self._made = self._make()
+                else:
+                    self._made = self._make()
                 self._snapshots = None  # the step's host copies go once split
 
     def payload(self, req: str) -> HookPayload:
@@ -83,10 +89,8 @@ class DeferredSplit:
             return self._made.pop(req, EMPTY)
 
     def _make(self) -> dict[str, HookPayload]:
-        snapshots = self._snapshots
         try:
-            with snapshots.clock.phase("split_later"):
-                return snapshots.split_now()
+            return self._snapshots.split_now()
         except Exception as e:  # on the engine core's output thread: it must not die
             logger.exception("graphtap: splitting a step's hook outputs")
             failed = seal({ERROR: error_tensor(
@@ -110,7 +114,7 @@ class Unsettled:
         """Makes the splits of earlier steps that no settle has made."""
         waiting, self._waiting = self._waiting, []
         for split in waiting:
-            split.make()  # a no-op for those the output thread has made
+            split.make(timed=False)  # a no-op for those the output thread has made
 
     def add(self, split: DeferredSplit) -> DeferredSplit:
         self._waiting.append(split)
