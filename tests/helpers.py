@@ -77,6 +77,22 @@ def sizes(**overrides):
     return Sizes(**merged)
 
 
+def capture_step(rows, labels, used, slot_to_req, formats, names):
+    """A capture step as the capture family hands it to the courier (after the copy):
+    `labels` (slot, site, position) of the rows, `used` of them written, and per slot
+    the units it wanted (its labelled rows)."""
+    from graphtap.courier import CaptureStep, StepRows
+    from graphtap.courier.chunks import OverflowKind
+
+    wanted = torch.bincount(torch.tensor([s for s, _, _ in labels[:used]] or [0],
+                                         dtype=torch.long), minlength=max(slot_to_req) + 2)
+    if not used:
+        wanted.zero_()
+    return CaptureStep(StepRows(rows.clone(), torch.tensor(labels), torch.cat(
+        [torch.tensor([used]), wanted]), slot_to_req, formats, names, 1000,
+        OverflowKind.CAPTURE_ROWS))
+
+
 def engine_tables(**overrides):
     """An engine's tables on the CPU, torch backend (graphtap.engine.tables.EngineTables)."""
     from graphtap.engine.tables import allocate

@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from graphtap.courier import CaptureStep, RowFormat, StepRows, StepSnapshots
-from graphtap.courier.chunks import OverflowKind
+from graphtap.courier import CaptureStep, RowFormat, StepSnapshots
 from graphtap.courier.pack import unpack
 from graphtap.courier.payload import open_payload, seal
+
+from helpers import capture_step
 
 HD = 2
 NAMES = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v",
@@ -29,13 +30,7 @@ DIRECT = {"resid", "heads", "all"}
 
 
 def make(rows, labels, used, slot_to_req, formats):
-    wanted = torch.bincount(torch.tensor([s for s, _, _ in labels[:used]] or [0],
-                                         dtype=torch.long), minlength=max(slot_to_req) + 2)
-    if not used:
-        wanted.zero_()
-    return CaptureStep(StepRows(rows.clone(), torch.tensor(labels), torch.cat(
-        [torch.tensor([used]), wanted]), slot_to_req, formats, NAMES, 1000,
-        OverflowKind.CAPTURE_ROWS))
+    return capture_step(rows, labels, used, slot_to_req, formats, NAMES)
 
 
 @st.composite

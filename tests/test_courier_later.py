@@ -15,7 +15,9 @@ from graphtap.courier.later import EMPTY, LaterPayload, Unsettled
 from graphtap.courier.payload import open_payload
 from graphtap.courier.snapshot import DEFER_BYTES
 from graphtap.profiling import HostClock
-from test_courier_direct import NAMES, make
+from helpers import capture_step
+
+NAMES = {1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_k"}
 
 K = RowFormat(torch.bfloat16, 512, (0, 1, 2, 3), 128)  # a k site of 4 heads, as qk asks
 
@@ -32,7 +34,8 @@ def qk_step(reqs: int = 3, positions: int = 80, idle: bool = True):
 
 def snapshots(step=None, **kw) -> StepSnapshots:
     rows, labels, slot_to_req, formats = step or qk_step()
-    return StepSnapshots([make(rows, labels, len(labels), slot_to_req, formats)], **kw)
+    return StepSnapshots([capture_step(rows, labels, len(labels), slot_to_req, formats,
+                                       NAMES)], **kw)
 
 
 def opened(payload: HookPayload) -> dict:
@@ -118,7 +121,8 @@ class Counted(StepSnapshots):
 
 def test_concurrent_settles_split_once():
     rows, labels, slot_to_req, formats = qk_step()
-    later = Counted([make(rows, labels, len(labels), slot_to_req, formats)]).per_request(None)
+    later = Counted([capture_step(rows, labels, len(labels), slot_to_req, formats,
+                                  NAMES)]).per_request(None)
     threads = [threading.Thread(target=p.settle) for p in later.values()]
     for t in threads:
         t.start()

@@ -146,3 +146,45 @@ def test_deferred_outputs_are_made_after_the_tokens_left(output_thread):
     assert [(o.request_id, o.hooks_only) for o in rows.outputs] == [("a", True)]
     (payload,) = rows.outputs[0].hook_outputs
     assert payload.inline == b"i1" and payload.frames["k"][0].item() == 1.0
+
+
+def test_graphtap_s_deferred_split_reaches_the_finish_through_the_output_thread(
+        output_thread):
+    """graphtap's deferred payloads (courier/later.py), from a real step split, through
+    vLLM's output thread into an OutputProcessor: the request that goes on gets its rows
+    after the step's tokens, the finishing one inside the step's message, both byte for
+    byte what the split made at once."""
+    from graphtap.courier import RowFormat, StepSnapshots
+    from helpers import capture_step
+
+    send, receive = output_thread
+    fmt = RowFormat(torch.bfloat16, 512, (0, 1, 2, 3), 128)  # k of 4 heads: 80 KiB a request
+    labels = [(r, 1, p) for r in range(2) for p in range(80)]
+    rows = torch.randn(len(labels), 512).to(torch.bfloat16)
+
+    def step() -> StepSnapshots:
+        return StepSnapshots([capture_step(rows, labels, len(labels), {0: "a", 1: "b"},
+                                           {0: {1: fmt}, 1: {1: fmt}},
+                                           {1: "blocks.0.attn.hook_k"})])
+
+    now, later = step()._per_request(None), step().per_request(None)
+    assert all(p.deferred for p in later.values())
+    proc = OutputProcessor(None, log_stats=False, hooks=Recorder())
+    for rid in "ab":
+        proc.add_request(engine_request(rid, max_tokens=2), None)
+    send.put_nowait((0, EngineCoreOutputs(outputs=[
+        out("a", [7], [later["a"]]), out("b", [7], [later["b"]], FinishReason.LENGTH)])))
+    send.put_nowait((0, EngineCoreOutputs(outputs=[out("a", [8], None, FinishReason.LENGTH)])))
+    messages = [receive() for _ in range(3)]
+    assert None not in messages
+    assert [[(o.request_id, o.hooks_only) for o in m.outputs] for m in messages] == \
+        [[("a", False), ("b", False)], [("a", True)], [("a", False)]]
+    finished = {}
+    for m in messages:
+        done = proc.process_outputs(m.outputs, m.timestamp, None)
+        finished.update({o.request_id: o for o in done.request_outputs if o.finished})
+    for rid in "ab":
+        ((inline, frames),) = finished[rid].hooks
+        assert inline == bytes(now[rid].inline)
+        assert frames.keys() == now[rid].frames.keys() and frames  # k travels as a frame
+        assert all(torch.equal(frames[k], now[rid].frames[k]) for k in frames)
