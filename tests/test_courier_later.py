@@ -56,7 +56,7 @@ def test_a_large_step_settles_to_what_its_split_made_before():
     assert later.keys() == {"r0", "r1", "r2", "idle"}
     assert all(isinstance(p, LaterPayload) and p.deferred for p in later.values())
     split = later["r0"].split
-    assert not split.made
+    assert split._made is None
     for req, p in later.items():
         settled = p.settle()
         assert not settled.deferred and p.settle() is settled  # once made, kept
@@ -76,9 +76,9 @@ def test_a_step_no_settle_makes_is_made_at_the_next_one():
     data = qk_step()
     first = snapshots(data, unsettled=unsettled, clock=clock).per_request(None)
     split = first["r0"].split
-    assert not split.made
+    assert split._made is None
     snapshots(qk_step(), unsettled=unsettled, clock=clock).per_request(None)  # the next step
-    assert split.made and split._snapshots is None
+    assert split._made is not None and split._snapshots is None
     now = snapshots(data)._per_request(None)
     assert same(opened(first["r0"].settle()), opened(now["r0"]))
     # made inside the next step's per_request, which counts its time: no split_later

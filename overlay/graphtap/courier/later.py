@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 from vllm.v1.outputs import HookPayload
@@ -67,26 +68,22 @@ class DeferredSplit:
     def payloads(self) -> dict[str, LaterPayload]:
         return {req: LaterPayload(req=req, split=self) for req in self._requests}
 
-    @property
-    def made(self) -> bool:
-        return self._made is not None
-
     def make(self, timed: bool = True) -> None:
         """Splits the step, once. `timed`: in the engine's clock as split_later (not
         where it runs inside per_request, whose time already counts it: Unsettled)."""
         with self._lock:
-            if self._made is None:
-                if timed:
-                    with self._snapshots.clock.phase("split_later"):
-                        self._made = self._make()
-                else:
-                    self._made = self._make()
-                self._snapshots = None  # the step's host copies go once split
+            self._make_once(timed)
 
     def payload(self, req: str) -> HookPayload:
-        self.make()
         with self._lock:
+            self._make_once(timed=True)
             return self._made.pop(req, EMPTY)
+
+    def _make_once(self, timed: bool) -> None:  # under the lock
+        if self._made is None:
+            with self._snapshots.clock.phase("split_later") if timed else nullcontext():
+                self._made = self._make()
+            self._snapshots = None  # the step's host copies go once split
 
     def _make(self) -> dict[str, HookPayload]:
         try:

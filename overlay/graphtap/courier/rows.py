@@ -88,7 +88,7 @@ class CaptureStep(LabelledStep):
             if self.rows_ready is not None:
                 self.rows_ready.synchronize()  # other requests' rows rode the sink's stream
             small = keep is None and \
-                min(int(self.count[0]), self.rows.shape[0]) <= self.small_rows
+                self.used_rows() <= self.small_rows
             return {**(self._split_small() if small else self._split(keep)), **failed}
         finally:
             if self.staged is not None:  # the block goes back once the views are written
@@ -179,7 +179,7 @@ class CaptureStep(LabelledStep):
     def _split_small(self) -> dict[str, dict[str, torch.Tensor]]:
         """_split's result for a step of few rows, grouped in plain Python over the
         labels (direct.plain_groups; tests/test_courier_units.py holds it to _split)."""
-        used = min(int(self.count[0]), self.rows.shape[0])
+        used = self.used_rows()
         out: dict[str, dict[str, torch.Tensor]] = {}
         for req, key, fmt, rows, index in plain_groups(
                 self.labels[:used, :HOST_LABELS].numpy(), self.formats, self.site_names,
@@ -222,7 +222,7 @@ class CaptureStep(LabelledStep):
         tap = self.sink
         failed: dict[str, dict[str, torch.Tensor]] = {}
         handed = 0
-        used = min(int(self.count[0]), self.rows.shape[0])
+        used = self.used_rows()
         if not used:
             tap.done()
             return np.zeros(0, dtype=bool), failed, handed

@@ -215,10 +215,14 @@ class LabelledStep:
     def release_device(self) -> None:
         self._device = None
 
+    def used_rows(self) -> int:
+        """Rows the step wrote that came home (the host's bound on the copy may be short:
+        overflow())."""
+        return min(int(self.count[0]), self.rows.shape[0])
+
     def used_bytes(self) -> int:
         """Host bytes of the rows the step wrote (after the copy)."""
-        used = min(int(self.count[0]), self.rows.shape[0])
-        return used * self.rows.shape[1] * self.rows.element_size() if used else 0
+        return self.used_rows() * self.rows.shape[1] * self.rows.element_size()
 
     def sealed(self) -> dict[str, dict] | None:
         """Per request its payload values (payload.Inline) made straight from the host
@@ -229,7 +233,7 @@ class LabelledStep:
         """The used rows' labels and values as host arrays of their own (the pinned
         copies go back to the allocator), for a held family (courier/held.py)."""
         if getattr(self, "_host", None) is None:
-            used = min(int(self.count[0]), self.rows.shape[0])
+            used = self.used_rows()
             self._host = (self.labels[:used].numpy().copy(), self.rows[:used].numpy().copy())
         return self._host
 
@@ -276,7 +280,7 @@ class LabelledStep:
         buffer row perm[i]). Groups (the first two columns) may come in any order:
         spans() needs each one contiguous and sorted inside, which the device order
         usually already is."""
-        used = min(int(self.count[0]), self.rows.shape[0])
+        used = self.used_rows()
         labels = self.labels[:used].numpy()
         rows = np.arange(used) if keep is None else np.flatnonzero(keep)
         if keep is not None:
