@@ -107,6 +107,15 @@ def test_plain_means_json_types_only_at_every_depth(tree):
     assert _plain(tree) == _plain_reference(tree)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(), TREES), min_size=17, max_size=40))
+def test_plain_checks_every_element_of_a_long_list(vector):
+    """Lists past 16 elements (a steering vector as a JSON list) are checked by their
+    elements' types gathered at once: the same answer, at any depth below them."""
+    assert _plain(vector) == _plain_reference(vector)
+    assert _plain({"steer": [{"vector": vector}]}) == _plain_reference(vector)
+
+
 def test_clone_shares_the_spec_and_the_frontend_never_changes_it():
     """vLLM clones each request's SamplingParams before the frontend sees them (patch
     0004): the clone shares `hooks` instead of deep-copying it (a spec's float lists cost

@@ -67,3 +67,40 @@ def test_admission_burst(benchmark, path):
     benchmark.extra_info["first_seen_ms"] = round(statistics.median(r[0] for r in runs), 3)
     benchmark.extra_info["32nd_seen_ms"] = round(statistics.median(r[31] for r in runs), 3)
     assert all(len(r) == 64 for r in runs)
+
+
+QK = {"capture": [c for layer in (4, 8, 16, 24) for c in (
+    {"site": f"blocks.{layer}.attn.hook_q", "positions": "last_prompt", "heads": [0, 1, 2, 3]},
+    {"site": f"blocks.{layer}.attn.hook_k", "positions": "prompt", "heads": [0, 1, 2, 3]})]}
+
+
+@pytest.mark.parametrize("spec", ["hs", "qk", "steer-list", "steer-b64"])
+def test_remembered_spec(benchmark, spec):
+    """One request's frontend admission once its spec is remembered (a deployment's
+    guard or steering spec, the same in every request): SamplingParams.clone, then
+    process_request, which keys the cache by the spec's text after checking that it is
+    made of JSON's types only. steer-list: bench_tpot's 4096-float vector as a JSON list
+    (that check walks every float), steer-b64: the same vector packed."""
+    import base64
+
+    import numpy as np
+
+    vec = np.random.default_rng(0).normal(size=4096).astype("<f4")
+    hooks = {"hs": HS, "qk": QK,
+             "steer-list": {"steer": [{"site": SITES[1], "op": "add", "vector": vec.tolist(),
+                                       "positions": "all"}]},
+             "steer-b64": {"steer": [{"site": SITES[1], "op": "add", "positions": "all",
+                                      "vector": {"b64": base64.b64encode(vec).decode()}}]}}
+    shape = ModelShape(num_layers=32, hidden_size=4096, max_model_len=512,
+                       configured_sites={*SITES, *(e["site"] for e in QK["capture"])},
+                       max_steers=4, max_vectors=64, max_captures=16, num_heads=32,
+                       num_kv_heads=8, head_dim=128, save_root=None)
+    frontend = GraphtapFrontend(shape)
+    params = SamplingParams(max_tokens=8, hooks=hooks[spec])
+
+    def admit():
+        p = params.clone()
+        frontend.process_request("r", p, None, 256)
+        return p
+
+    assert benchmark(admit).hooks is not None
