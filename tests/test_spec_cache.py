@@ -180,3 +180,37 @@ def test_requests_of_one_spec_and_shape_share_one_wire_form():
     for n in range(WIRES + 3):
         fe.process_request("f", _Params(last), None, 1 + n)
     assert sorted(len(wires) for *_, wires in fe._specs.values()) == [3, WIRES]
+
+
+def test_a_spec_travels_as_one_bytes_value_and_arrives_whole():
+    """SamplingParams.hooks after the frontend is {WIRE: the spec's msgpack}: through
+    vLLM's socket encoding (the engine core's input) and a pickle (a worker in a
+    process of its own) it arrives as the same spec; the plain-data form still reads."""
+    import pickle
+
+    import msgspec
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from graphtap.spec import NormalisedSpec
+    from graphtap.spec.entries import WIRE
+
+    fe = GraphtapFrontend(SHAPE)
+    params = SamplingParams(max_tokens=4, hooks={**steer(vector=[0.5] * 8), **CAPTURE})
+    fe.process_request("r", params, None, 5)
+    assert list(params.hooks) == [WIRE] and type(params.hooks[WIRE]) is bytes
+    spec = NormalisedSpec.from_wire(params.hooks)
+    assert spec.steer and spec.capture and spec.capture_bytes > 0
+    request = EngineCoreRequest(
+        request_id="r", prompt_token_ids=[1, 2, 3, 4, 5], mm_features=None,
+        sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
+        cache_salt=None, data_parallel_rank=None)
+    arrived = MsgpackDecoder(EngineCoreRequest).decode(MsgpackEncoder().encode(request))
+    assert NormalisedSpec.from_wire(arrived.sampling_params.hooks) == spec
+    assert NormalisedSpec.from_wire(pickle.loads(pickle.dumps(params)).hooks) == spec
+    assert NormalisedSpec.from_wire(msgspec.to_builtins(spec, builtin_types=(bytes,))) == spec
+    # a request cannot hand the worker a spec of its own making past validation
+    for forged in ({WIRE: params.hooks[WIRE]}, {WIRE: "eA=="}):
+        with pytest.raises(ValueError, match=f"hooks.{WIRE}"):
+            fe.process_request("f", _Params(forged), None, 5)

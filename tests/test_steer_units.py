@@ -240,7 +240,8 @@ def test_frontend_salts_and_admits_within_the_vector_table():
     plain = _Params()
     assert fe.process_request("r0", plain, "user") == "user:user" and plain.hooks is None
     http = _Params(extra_args={"hooks": '{"steer": [%s]}' % str(steer()).replace("'", '"')})
-    assert fe.process_request("r2", http, None) and http.hooks["steer"][0]["a"] == 2.0
+    assert fe.process_request("r2", http, None)
+    assert NormalisedSpec.from_wire(http.hooks).steer[0].a == 2.0
     p2 = _Params({"steer": [steer(vector=[2.0] * 8)]})
     p3 = _Params({"steer": [steer(vector=[3.0] * 8)]})
     fe.process_request("r2", p2, None)

@@ -104,3 +104,40 @@ def test_remembered_spec(benchmark, spec):
         return p
 
     assert benchmark(admit).hooks is not None
+
+
+@pytest.mark.parametrize("spec", ["plain", "hs", "qk", "steer-b64"])
+def test_engine_core_decode(benchmark, spec):
+    """What the engine core's input thread does per request before the scheduler sees
+    it: decode the EngineCoreRequest off its socket and build vLLM's Request. That
+    thread runs beside the step in flight, which waits for the GIL meanwhile: a burst's
+    first step, which the rest of the burst waits for, grows with the requests that
+    arrive during it. A spec travels as one bytes value (NormalisedSpec.to_wire)."""
+    import base64
+
+    import numpy as np
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.request import Request
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    vec = np.random.default_rng(0).normal(size=4096).astype("<f4")
+    hooks = {"plain": None, "hs": HS, "qk": QK,
+             "steer-b64": {"steer": [{"site": SITES[1], "op": "add", "positions": "all",
+                                      "vector": {"b64": base64.b64encode(vec).decode()}}]}}
+    shape = ModelShape(num_layers=32, hidden_size=4096, max_model_len=512,
+                       configured_sites={*SITES, *(e["site"] for e in QK["capture"])},
+                       max_steers=4, max_vectors=64, max_captures=16, num_heads=32,
+                       num_kv_heads=8, head_dim=128, save_root=None)
+    params = SamplingParams(max_tokens=8, hooks=hooks[spec])
+    salt = GraphtapFrontend(shape).process_request("r", params, None, 256)
+    request = EngineCoreRequest(
+        request_id="r", prompt_token_ids=list(range(100, 356)), mm_features=None,
+        sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
+        cache_salt=salt, data_parallel_rank=None)
+    frames = MsgpackEncoder().encode(request)
+    decoder = MsgpackDecoder(EngineCoreRequest)
+
+    def arrive():
+        return Request.from_engine_core_request(decoder.decode(frames), None)
+
+    assert (benchmark(arrive).sampling_params.hooks is None) == (spec == "plain")

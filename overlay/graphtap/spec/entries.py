@@ -2,8 +2,8 @@
 hook family, data only.
 
 The frontend builds a `NormalisedSpec`; it travels to the worker inside
-`SamplingParams.hooks` as plain msgpack data (`to_wire`: no pickles, vectors as float32
-bytes) and is typed again there (`from_wire`). The family of a capture is chosen by its
+`SamplingParams.hooks` as its msgpack bytes (`to_wire`: data only, no pickles, vectors as
+float32 bytes) and is typed again there (`from_wire`). The family of a capture is chosen by its
 site's kind (`Site.capture_family`), once, in `normalise`.
 """
 from __future__ import annotations
@@ -146,14 +146,25 @@ class NormalisedSpec(msgspec.Struct, frozen=True):
             {s.condition.key for s in self.steer if s.condition is not None}
 
     def to_wire(self) -> dict:
-        return msgspec.to_builtins(self, builtin_types=(bytes,))
+        """`SamplingParams.hooks` as it travels: one bytes value, so the engine core's
+        input thread, which decodes each request while the step it runs beside waits
+        for the GIL, copies a spec rather than building a tree of Python objects per
+        request (benchmarks/cpu/test_bench_admission.py::test_engine_core_decode)."""
+        return {WIRE: msgspec.msgpack.encode(self)}
 
     @classmethod
     def from_wire(cls, raw) -> "NormalisedSpec":
         """The worker's view of `SamplingParams.hooks` (None or empty: no entries)."""
         if not raw:
             return EMPTY
-        return raw if isinstance(raw, cls) else msgspec.convert(raw, cls)
+        if isinstance(raw, cls):
+            return raw
+        packed = raw.get(WIRE) if isinstance(raw, dict) and len(raw) == 1 else None
+        if isinstance(packed, (bytes, bytearray, memoryview)):
+            return _DECODE(packed)
+        return msgspec.convert(raw, cls)  # its entries as plain data (to_builtins)
 
 
 EMPTY = NormalisedSpec()
+WIRE = "graphtap"  # the key of a spec's msgpack bytes in SamplingParams.hooks
+_DECODE = msgspec.msgpack.Decoder(NormalisedSpec).decode
