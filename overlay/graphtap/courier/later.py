@@ -6,11 +6,13 @@ prefill step of 8 requests capturing k at every prompt position (8 MiB of rows) 
 milliseconds, and a burst of 64 such requests reached its first tokens that much later
 than idle ones at every step that admitted some of them. A step whose split may wait
 (StepSnapshots._defers: no guard to evaluate, nothing held, no sink, no request the
-frontend may finish on a stop string) now gives each of its requests a LaterPayload
-instead; the engine core's output thread settles them after it has sent the step's
-message (split_hook_rows, settle_hook_rows), and the step's split runs there, once, for
-all of them. A request that finishes in the step has its payload settled before the
-step's message goes; an in-process engine (no output thread) settles at the finish
+frontend may finish on a stop string) now gives each request that wanted rows in it a
+LaterPayload instead; the engine core's output thread settles them after it has sent
+the step's message (split_hook_rows, settle_hook_rows), and the step's split runs
+there, once, for all of them. A request that finishes in the step has its payload
+settled before the step's message goes (a decoding request of the batch that wanted
+no rows gets none, so its finish does not hold the step's tokens back); an in-process
+engine (no output thread) settles at the finish
 (payload.open_payload), and a worker in a process of its own when it pickles the
 step's output (LaterPayload.__reduce__). A step none of whose requests has an output
 yet (every one mid-prefill) is made at the next step (Unsettled)."""
@@ -28,7 +30,7 @@ from graphtap.courier.payload import seal
 
 logger = logging.getLogger(__name__)
 
-EMPTY = HookPayload()  # a request of the step that got no rows in it
+EMPTY = HookPayload()  # a request the split gave nothing (none is handed a payload so)
 
 
 class LaterPayload(HookPayload, gc=True):

@@ -53,9 +53,20 @@ class StepSnapshots:
 
     # What held_chunks.HeldChunks.step_snapshots asks of a step it may hold whole.
     def requests(self) -> set[str]:
-        """Every request that may have rows in the step (each part's slot map): asked
-        only where may_wait holds, every part then being a LabelledStep."""
-        return {r for part in self.parts for r in part.slot_to_req.values()}
+        """The requests that wanted rows in the step (each part's count per slot, on the
+        host after the copy): asked only where may_wait holds, every part then being a
+        LabelledStep. A request of the batch that wanted none gets nothing from the
+        split, so it is no part of a deferred or held step: a decoding request that
+        finishes in a qk prefill step must not make that step's split run before the
+        step's tokens leave (split_hook_rows settles a finishing request's payload in
+        place; on the H100 the first tokens of a burst's last prefill steps waited ~5
+        ms for it)."""
+        out: set[str] = set()
+        for part in self.parts:
+            wanted = part.count[1:].tolist()
+            out.update(req for slot, req in part.slot_to_req.items()
+                       if slot < len(wanted) and wanted[slot] > 0)
+        return out
 
     def may_wait(self) -> bool:
         """Whether the split may wait for a later step: not with a guard to evaluate
@@ -107,7 +118,7 @@ class StepSnapshots:
                 sum(p.used_bytes() for p in self.parts) < DEFER_BYTES:
             return None
         requests = self.requests()
-        return None if requests.intersection(self.inline) else requests
+        return None if not requests or requests.intersection(self.inline) else requests
 
     def _per_request(self, step) -> dict[str, HookPayload]:
         direct = self._sealed() if self.hold is None and not self.guards else None
