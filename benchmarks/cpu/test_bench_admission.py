@@ -72,6 +72,26 @@ def test_admission_burst(benchmark, path):
 QK = {"capture": [c for layer in (4, 8, 16, 24) for c in (
     {"site": f"blocks.{layer}.attn.hook_q", "positions": "last_prompt", "heads": [0, 1, 2, 3]},
     {"site": f"blocks.{layer}.attn.hook_k", "positions": "prompt", "heads": [0, 1, 2, 3]})]}
+# Llama-3-8B with bench_tpot's sites: hs's 3 residual sites and qk's q and k at 4 layers
+WIDE = ModelShape(num_layers=32, hidden_size=4096, max_model_len=512,
+                  configured_sites={*SITES, *(e["site"] for e in QK["capture"])},
+                  max_steers=4, max_vectors=64, max_captures=16, num_heads=32,
+                  num_kv_heads=8, head_dim=128, save_root=None)
+
+
+def bench_hooks(spec: str):
+    """The hooks of a benchmark's spec: plain (none), hs, qk, or steering with a
+    4096-float vector as a JSON list (steer-list) or packed (steer-b64)."""
+    import base64
+
+    import numpy as np
+
+    if spec in ("plain", "hs", "qk"):
+        return {"plain": None, "hs": HS, "qk": QK}[spec]
+    vec = np.random.default_rng(0).normal(size=4096).astype("<f4")
+    vector = vec.tolist() if spec == "steer-list" else \
+        {"b64": base64.b64encode(vec).decode()}
+    return {"steer": [{"site": SITES[1], "op": "add", "vector": vector, "positions": "all"}]}
 
 
 @pytest.mark.parametrize("spec", ["hs", "qk", "steer-list", "steer-b64"])
@@ -81,22 +101,8 @@ def test_remembered_spec(benchmark, spec):
     process_request, which keys the cache by the spec's text after checking that it is
     made of JSON's types only. steer-list: bench_tpot's 4096-float vector as a JSON list
     (that check walks every float), steer-b64: the same vector packed."""
-    import base64
-
-    import numpy as np
-
-    vec = np.random.default_rng(0).normal(size=4096).astype("<f4")
-    hooks = {"hs": HS, "qk": QK,
-             "steer-list": {"steer": [{"site": SITES[1], "op": "add", "vector": vec.tolist(),
-                                       "positions": "all"}]},
-             "steer-b64": {"steer": [{"site": SITES[1], "op": "add", "positions": "all",
-                                      "vector": {"b64": base64.b64encode(vec).decode()}}]}}
-    shape = ModelShape(num_layers=32, hidden_size=4096, max_model_len=512,
-                       configured_sites={*SITES, *(e["site"] for e in QK["capture"])},
-                       max_steers=4, max_vectors=64, max_captures=16, num_heads=32,
-                       num_kv_heads=8, head_dim=128, save_root=None)
-    frontend = GraphtapFrontend(shape)
-    params = SamplingParams(max_tokens=8, hooks=hooks[spec])
+    frontend = GraphtapFrontend(WIDE)
+    params = SamplingParams(max_tokens=8, hooks=bench_hooks(spec))
 
     def admit():
         p = params.clone()
@@ -113,23 +119,12 @@ def test_engine_core_decode(benchmark, spec):
     thread runs beside the step in flight, which waits for the GIL meanwhile: a burst's
     first step, which the rest of the burst waits for, grows with the requests that
     arrive during it. A spec travels as one bytes value (NormalisedSpec.to_wire)."""
-    import base64
-
-    import numpy as np
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.request import Request
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    vec = np.random.default_rng(0).normal(size=4096).astype("<f4")
-    hooks = {"plain": None, "hs": HS, "qk": QK,
-             "steer-b64": {"steer": [{"site": SITES[1], "op": "add", "positions": "all",
-                                      "vector": {"b64": base64.b64encode(vec).decode()}}]}}
-    shape = ModelShape(num_layers=32, hidden_size=4096, max_model_len=512,
-                       configured_sites={*SITES, *(e["site"] for e in QK["capture"])},
-                       max_steers=4, max_vectors=64, max_captures=16, num_heads=32,
-                       num_kv_heads=8, head_dim=128, save_root=None)
-    params = SamplingParams(max_tokens=8, hooks=hooks[spec])
-    salt = GraphtapFrontend(shape).process_request("r", params, None, 256)
+    params = SamplingParams(max_tokens=8, hooks=bench_hooks(spec))
+    salt = GraphtapFrontend(WIDE).process_request("r", params, None, 256)
     request = EngineCoreRequest(
         request_id="r", prompt_token_ids=list(range(100, 356)), mm_features=None,
         sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
