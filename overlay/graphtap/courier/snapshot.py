@@ -59,8 +59,7 @@ class StepSnapshots:
         split, so it is no part of a deferred or held step: a decoding request that
         finishes in a qk prefill step must not make that step's split run before the
         step's tokens leave (split_hook_rows settles a finishing request's payload in
-        place; on the H100 the first tokens of a burst's last prefill steps waited ~5
-        ms for it)."""
+        place; test_bench_delivery.py measures what that cost)."""
         out: set[str] = set()
         for part in self.parts:
             wanted = part.count[1:].tolist()

@@ -2,9 +2,9 @@
 hook family, data only.
 
 The frontend builds a `NormalisedSpec`; it travels to the worker inside
-`SamplingParams.hooks` as its msgpack bytes (`to_wire`: data only, no pickles, vectors as
-float32 bytes) and is typed again there (`from_wire`). The family of a capture is chosen by its
-site's kind (`Site.capture_family`), once, in `normalise`.
+`SamplingParams.hooks` as its msgpack bytes (`to_wire`: data only, no pickles, vectors
+as float32 bytes) and is typed again there (`from_wire`). The family of a capture is
+chosen by its site's kind (`Site.capture_family`), once, in `normalise`.
 """
 from __future__ import annotations
 
