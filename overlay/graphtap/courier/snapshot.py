@@ -60,12 +60,7 @@ class StepSnapshots:
         finishes in a qk prefill step must not make that step's split run before the
         step's tokens leave (split_hook_rows settles a finishing request's payload in
         place; test_bench_delivery.py measures what that cost)."""
-        out: set[str] = set()
-        for part in self.parts:
-            wanted = part.count[1:].tolist()
-            out.update(req for slot, req in part.slot_to_req.items()
-                       if slot < len(wanted) and wanted[slot] > 0)
-        return out
+        return set().union(*(part.wanting() for part in self.parts))
 
     def may_wait(self) -> bool:
         """Whether the split may wait for a later step: not with a guard to evaluate
@@ -229,6 +224,12 @@ class LabelledStep:
         """Rows the step wrote that came home (the host's bound on the copy may be short:
         overflow())."""
         return min(int(self.count[0]), self.rows.shape[0])
+
+    def wanting(self) -> set[str]:
+        """The requests that wanted rows in the step (the device's count per slot, as
+        overflow() reads it): one with rows always wanted them."""
+        wanted = self.count[1:].tolist()
+        return {req for slot, req in self.slot_to_req.items() if wanted[slot] > 0}
 
     def used_bytes(self) -> int:
         """Host bytes of the rows the step wrote (after the copy)."""
