@@ -162,7 +162,10 @@ class NormalisedSpec(msgspec.Struct, frozen=True):
         packed = raw.get(WIRE) if isinstance(raw, dict) and len(raw) == 1 else None
         if isinstance(packed, (bytes, bytearray, memoryview)):
             return _DECODE(packed)
-        return msgspec.convert(raw, cls)  # its entries as plain data (to_builtins)
+        # only graphtap's frontend writes hooks in the form the engine reads: anything
+        # else skipped its validation and the spec cache's checks, so it is not guessed at
+        raise ValueError("hooks: the engine reads only a spec the graphtap frontend "
+                         "normalised (NormalisedSpec.to_wire); this one was not")
 
 
 EMPTY = NormalisedSpec()
