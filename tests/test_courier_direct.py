@@ -3,7 +3,7 @@ as the chunk way (byte for byte where that is CaptureStep._split_small, then sea
 same values where it is the array passes), and no torch call per request (each one
 releases the GIL to the engine core's busy loop)."""
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
@@ -52,16 +52,20 @@ def steps(draw):
 
 
 @st.composite
-def uniform_steps(draw):
+def uniform_steps(draw, most_rows: int = 4, kinds_from=None, widths=(16, 4096)):
     """Steps whose requests all ask the same: the same sites, formats and rows per site
     (their positions their own), in the device's site-major order or shuffled; at
-    times one request asks otherwise, or a slot's request went."""
-    width = draw(st.sampled_from([16, 4096]))
+    times one request asks otherwise, or a slot's request went. `most_rows` at a site
+    (of 4096 columns; 4 of 16: from 8 on, few or many), formats drawn from
+    `kinds_from` (all the pool's)."""
+    width = draw(st.sampled_from(widths))
     pool = fmt_pool(width)
     slots = draw(st.lists(st.integers(0, 7), min_size=1, max_size=6, unique=True))
     kinds = dict.fromkeys(draw(st.sets(st.integers(0, 3), min_size=1, max_size=3)))
-    kinds = {site: draw(st.sampled_from(sorted(pool))) for site in kinds}
-    rows_at = {site: draw(st.integers(1, 4)) for site in kinds}
+    kinds = {site: draw(st.sampled_from(kinds_from or sorted(pool))) for site in kinds}
+    rows = st.sampled_from([1, 2, 4, 8, most_rows]) if most_rows >= 8 and width > 16 else \
+        st.integers(1, 4)
+    rows_at = {site: draw(rows) for site in kinds}
     labels = [(s, site, p) for site in sorted(kinds) for s in slots
               for p in draw(st.sets(st.integers(0, 40), min_size=rows_at[site],
                                     max_size=rows_at[site]))]
@@ -153,6 +157,77 @@ def test_direct_payloads_equal_the_chunk_way(case, seed):
         assert uniform == direct.seal_small(*args)
 
 
+@settings(max_examples=150, deadline=None)
+# up to 12 rows of 4096 columns at a site: they then travel as a frame (INLINE_BYTES)
+@given(uniform_steps(12, ["resid", "resid", "resid", "heads", "all", "f32"], (4096,)),
+       st.integers(0, 2**31), st.data())
+def test_large_uniform_steps_sealed_as_the_chunk_way(case, seed, data):
+    """A step of any size whose requests all ask the same (CaptureStep.sealed from
+    direct_rows rows on: a qk burst's prefill steps) is sealed from one copy per format
+    (direct.seal_request_major): each request's payload byte for byte what seal() makes
+    of split_uniform's chunk, its frames the same tensors, and a request whose values
+    must all travel inside the message (a stop string) gets no frame."""
+    from graphtap.courier import direct
+    from graphtap.courier.rows import ORDER
+    from graphtap.courier.snapshot import _frames_apart
+    from graphtap.courier.uniform import split_uniform
+    from graphtap.courier.payload import seal_values
+
+    width, pool, kinds, labels, formats = case
+    rows = torch.randn(len(labels), width,
+                       generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    slot_to_req = {s: f"r{s}" for s in kinds}
+    inline = data.draw(st.sets(st.sampled_from(sorted(slot_to_req.values()))))
+    snap = make(rows, labels, len(labels), slot_to_req, formats)
+    order = snap.sorted_labels(ORDER)
+    chunks = split_uniform(snap, *order, ORDER)
+    got = direct.seal_request_major(snap, *order, ORDER, snap.rows.view(torch.uint8).numpy(),
+                                    torch.bfloat16, inline)
+    native = all(k in DIRECT for per in kinds.values() for k in per.values())
+    assert (got is None) == (chunks is None or not native)
+    event(f"sealed: {got is not None}")
+    if got is None:
+        return
+    event(f"frames: {any(isinstance(v, torch.Tensor) for r in got.values() for v in r.values())}")
+    assert got.keys() == chunks.keys()
+    for req, chunk in chunks.items():
+        want, mine = seal(chunk, all_inline=req in inline), seal_values(*_frames_apart(got[req]))
+        assert mine.inline == want.inline, req  # byte for byte
+        assert list(mine.frames) == list(want.frames), req
+        assert all(torch.equal(mine.frames[k], want.frames[k]) for k in want.frames), req
+        assert not (req in inline and mine.frames)
+
+
+def test_a_large_step_goes_the_direct_way():
+    """A qk prefill step of 8 requests (k at 256 positions, q at the last, 4 layers):
+    past direct_rows rows, sealed from one copy (no chunks), its k rows as frames, the
+    same payloads as the chunk way; a request that may finish on a stop string gets its
+    values inside the message."""
+    reqs, fmt = 8, RowFormat(torch.bfloat16, 256, None, 128)  # a k row: 2 heads
+    labels = [(r, site, p) for site in range(4) for r in range(reqs)
+              for p in (range(256) if site % 2 else [255])]
+    rows = torch.randn(len(labels), 256).to(torch.bfloat16)
+    slot_to_req = {r: f"r{r}" for r in range(reqs)}
+    formats = {r: dict.fromkeys(range(4), fmt) for r in range(reqs)}
+    snap = StepSnapshots([make(rows, labels, len(labels), slot_to_req, formats)],
+                         inline={"r3"})
+    assert len(labels) > CaptureStep.direct_rows
+    assert make(rows, labels, len(labels), slot_to_req, formats).sealed() is not None
+    got = snap._per_request(None)
+    want = {req: seal(c, all_inline=req == "r3") for req, c in StepSnapshots(
+        [make(rows, labels, len(labels), slot_to_req, formats)]).chunks().items()}
+    assert got.keys() == want.keys()
+    for req in want:
+        assert got[req].inline == want[req].inline
+        assert list(got[req].frames) == list(want[req].frames)
+        assert all(torch.equal(got[req].frames[k], want[req].frames[k])
+                   for k in want[req].frames)
+    assert list(got["r0"].frames) == [NAMES[1], NAMES[3]] and not got["r3"].frames
+    k = unpack(open_payload(got["r5"]))[NAMES[1]]
+    assert torch.equal(k, rows[[i for i, (s, site, _) in enumerate(labels)
+                                if s == 5 and site == 1]].view(256, 2, 128))
+
+
 def test_no_torch_call_per_request():
     """The direct path's torch calls are per step, not per request or value."""
 
@@ -176,6 +251,8 @@ def test_no_torch_call_per_request():
         return Count.calls
 
     assert calls(1) == calls(8) <= 8
+    # past direct_rows rows (sealed from one copy per format): none per request either
+    assert calls(200) == calls(400) <= 16
 
 
 def test_a_step_copy_that_is_not_contiguous_goes_the_chunk_way():

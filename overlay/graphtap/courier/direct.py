@@ -26,7 +26,7 @@ import torch
 from graphtap.courier.chunks import positions_key
 from graphtap.courier.pack import SOLO_BYTES, column_span, pack_format, pack_key, row_bytes
 from graphtap.courier.payload import _NAMES, INLINE_BYTES, Inline
-from graphtap.courier.uniform import Uniform
+from graphtap.courier.uniform import Uniform, uniform_formats
 
 
 def plain_groups(labels: np.ndarray, formats: dict, site_names: dict[int, str],
@@ -97,6 +97,56 @@ def seal_uniform(layout: Uniform, raw: np.ndarray,
             for r, req in enumerate(layout.ids)}
 
 
+def seal_request_major(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[int, int, int],
+                       raw: np.ndarray, dtype: torch.dtype, inline=()
+                       ) -> dict[str, dict[str, Inline | torch.Tensor]] | None:
+    """Per request its values as seal() of split_uniform's chunk would hold them, in
+    the same order, for a step whose requests all ask the same however large (a qk
+    burst's prefill steps: k rows at every prompt position): per output format one
+    numpy copy of every request's rows, each value an Inline cut from it or, from
+    INLINE_BYTES on, a frame: a tensor view of that copy (torch calls per format, none
+    per request). `inline`: requests whose values all travel inside the message
+    (payload.seal's all_inline). None where split_uniform would be or a format is a
+    cast or heads in runs (_Cutter): the chunk way."""
+    found = uniform_formats(step, labels, perm, cols)
+    if found is None:
+        return None
+    ids, plans = found
+    cut = _Cutter(raw, dtype)
+    spans = [cut.span(p.fmt) for p in plans]
+    if None in spans:
+        return None
+    out: dict[str, dict] = {req: {} for req in ids}
+    for p, (lo, hi, tail) in zip(plans, spans):
+        width, keys = hi - lo, ([p.key] if p.key else []) + p.names
+        # one copy, request-major, out of the pinned buffer: index_select releases the
+        # GIL for it, and copies words of the dtype's width at twice the pace of bytes
+        # (numpy's fancy indexing was slower still)
+        src = step.rows.view(_WORDS[cut.size])[:, lo // cut.size:hi // cut.size]
+        data = torch.index_select(src, 0, torch.from_numpy(p.rows)).numpy().view(np.uint8)
+        edges = np.cumsum([0] + p.sizes).tolist()
+        total, flat = edges[-1], memoryview(data.reshape(-1))
+        frames = torch.from_numpy(data).view(dtype).view(-1, *tail).split(
+            p.sizes * len(ids)) if max(p.sizes) * width >= INLINE_BYTES else None
+        at = memoryview(np.ascontiguousarray(p.positions).reshape(-1))
+        index = memoryview(p.index.reshape(-1)) if p.key else None
+        for i, req in enumerate(ids):
+            chunk, base = out[req], i * total
+            for k, key in enumerate(keys):
+                a, b = base + edges[k], base + edges[k + 1]
+                if frames is not None and (b - a) * width >= INLINE_BYTES and \
+                        req not in inline:
+                    chunk[key] = frames[i * len(keys) + k]
+                else:
+                    chunk[key] = Inline(cut.name, (b - a, *tail), flat[a * width:b * width])
+                if k == 0 and p.key:
+                    n = p.index.shape[1]
+                    chunk[positions_key(key)] = Inline("int64", (n,), index[i * n:(i + 1) * n])
+                else:
+                    chunk[positions_key(key)] = Inline("int64", (b - a,), at[a:b])
+    return out
+
+
 class _Cutter:
     """Rows of the step copy in an output format, as Inline values (the columns and
     shapes of CaptureStep._gather: pack.column_span); None for what only the tensor path
@@ -144,6 +194,10 @@ class _Cutter:
         head_dim = fmt.head_dim
         tail = ((hi - lo) // head_dim, head_dim) if head_dim else (hi - lo,)
         return lo * self.size, hi * self.size, tail
+
+
+# a dtype's values as integers of its width
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _ints(values: list[int]) -> Inline:

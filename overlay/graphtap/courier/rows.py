@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from graphtap.courier.chunks import ERROR, error_tensor, positions_key
-from graphtap.courier.direct import plain_groups, seal_small, seal_uniform
+from graphtap.courier.direct import plain_groups, seal_request_major, seal_small, seal_uniform
 from graphtap.courier.pack import (SOLO_BYTES, column_span, head_runs, pack_format, pack_key,
                                    packed_index, ramp, row_bytes, run_starts)
 from graphtap.courier.sink import SinkFailed
@@ -95,18 +95,24 @@ class CaptureStep(LabelledStep):
                 self.sink.writer.settle(self.staged, handed)
                 self.staged = None
 
-    def sealed(self):
+    def sealed(self, inline=()):
         """Payload values per request straight from the host copy (direct.py), or None:
-        the chunk way. Only a step of at most direct_rows rows, all home, no sink."""
+        the chunk way. Only a step whose rows all came home, no sink: of at most
+        direct_rows rows, or larger where its requests all ask the same (`inline`: the
+        requests whose values all travel inside the message)."""
         if self.sink is not None or not self.rows.is_contiguous():
             return None
         count = self.count.tolist()
         used = count[0]
-        if used > self.direct_rows or not self.all_home(count):
+        if not self.all_home(count):
             return None
         if not used:
             return {}
-        raw, labels = self.rows.view(torch.uint8).numpy(), self.labels.numpy()[:used]
+        raw = self.rows.view(torch.uint8).numpy()
+        if used > self.direct_rows:
+            return seal_request_major(self, *self.sorted_labels(ORDER), ORDER, raw,
+                                      self.rows.dtype, inline)
+        labels = self.labels.numpy()[:used]
         if used >= self.uniform_rows:
             # one lexsort: cheaper here than sorted_labels' order check and the
             # layout's regrouping of the device's site-major rows

@@ -131,7 +131,7 @@ class StepSnapshots:
         tensors (courier/direct.py), where every part can; None: the chunk way."""
         values = []
         for part in self.parts:
-            found = part.sealed() if isinstance(part, LabelledStep) and \
+            found = part.sealed(self.inline) if isinstance(part, LabelledStep) and \
                 getattr(part, "held", None) is None else None
             if found is None:
                 return None
@@ -141,9 +141,10 @@ class StepSnapshots:
                 part.release_device()  # the copy is done (after the copy event)
             merged: dict[str, dict] = {}
             for found in values:
-                for req, inline in found.items():
-                    merged.setdefault(req, {}).update(inline)
-            return {req: seal_values(inline) for req, inline in merged.items() if inline}
+                for req, sealed in found.items():
+                    merged.setdefault(req, {}).update(sealed)
+            return {req: seal_values(*_frames_apart(sealed))
+                    for req, sealed in merged.items() if sealed}
 
     def chunks(self, step=None) -> dict[str, dict[str, torch.Tensor]]:
         """Each request's outputs of the step, name -> tensor. `step`: the step's
@@ -235,9 +236,11 @@ class LabelledStep:
         """Host bytes of the rows the step wrote (after the copy)."""
         return self.used_rows() * self.rows.shape[1] * self.rows.element_size()
 
-    def sealed(self) -> dict[str, dict] | None:
-        """Per request its payload values (payload.Inline) made straight from the host
-        copy, where the family can (CaptureStep: small steps); None: the chunk way."""
+    def sealed(self, inline=()) -> dict[str, dict] | None:
+        """Per request its payload values (payload.Inline, or a tensor that travels as
+        a frame) made straight from the host copy, where the family can (CaptureStep);
+        None: the chunk way. `inline`: requests whose values all travel inside the
+        message."""
         return None
 
     def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -365,3 +368,10 @@ def grouped_in_order(labels: np.ndarray, order: tuple[int, ...]) -> bool:
     starts = run_starts(~same)
     keys = group_keys(a[starts], b[starts])
     return len(np.unique(keys)) == len(keys)  # no group split over two runs
+
+
+def _frames_apart(values: dict) -> tuple[dict, dict]:
+    """A request's sealed values as payload.seal_values takes them: Inline values, then
+    the tensors that travel as frames, each in their order."""
+    inline = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    return inline, {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}

@@ -110,12 +110,29 @@ def _shape(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[int, int, int
     return _Shape(ids, labels, perm, per, order, counts, formats)
 
 
-def split_uniform(step, labels: np.ndarray, perm: np.ndarray,
-                  cols: tuple[int, int, int]) -> dict[str, dict[str, torch.Tensor]] | None:
-    """`step`'s split where its requests are uniform (_shape), else None (the array
-    passes then split it): per output format one gather of every request's rows, each
-    request's pack of that format's smaller sites one slice of it and each site with
-    SOLO_BYTES of rows or more one slice of its own, as _split makes them."""
+class FormatRows(NamedTuple):
+    """One output format's rows of a uniform step, request-major: the buffer rows of
+    every request (`rows`, each request's sum(sizes) long), cut per request into pieces
+    of `sizes` rows: its pack of the format's smaller sites under `key` (None: none),
+    then each site with SOLO_BYTES of rows or more under its name (`names`). Per
+    request (one row each) the rows' positions and the pack's index (its sites' row
+    counts, then their positions; None without a pack)."""
+
+    fmt: tuple
+    rows: np.ndarray
+    sizes: list[int]
+    key: str | None
+    names: list[str]
+    positions: np.ndarray
+    index: np.ndarray | None
+
+
+def uniform_formats(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[int, int, int]
+                    ) -> tuple[list[str], list[FormatRows]] | None:
+    """Where `step`'s requests are uniform (_shape), its request ids and per output
+    format (in the order _split meets them) how their rows go, as _split makes its
+    chunks; else None. For split_uniform's tensors and direct.seal_request_major's
+    sealed values alike."""
     s = _shape(step, labels, perm, cols, one_pack=False)
     if s is None:
         return None
@@ -128,7 +145,7 @@ def split_uniform(step, labels: np.ndarray, perm: np.ndarray,
         by_fmt.setdefault(fmt, ([], []))[solo].append(j)
     perm = s.perm.reshape(reqs, s.per)
     positions = s.labels[:, pos_col].astype(np.int64).reshape(reqs, s.per)
-    out: dict[str, dict[str, torch.Tensor]] = {req: {} for req in s.ids}
+    plans = []
     for fmt, (packed, solos) in by_fmt.items():
         # a request's rows of this format: its packed sites', then each solo site's (all
         # its rows, in order, where it is one pack: a decode step's, no reordering)
@@ -136,22 +153,39 @@ def split_uniform(step, labels: np.ndarray, perm: np.ndarray,
             [np.arange(offsets[j], offsets[j] + s.counts[j]) for j in packed + solos])
         sizes = ([int(s.counts[packed].sum())] if packed else []) + \
             [int(s.counts[j]) for j in solos]
-        data = step._gather(perm[:, sel].reshape(-1), fmt).split(sizes * reqs)
-        mine = positions[:, sel]
-        at = torch.from_numpy(mine.reshape(-1)).split(sizes * reqs) if solos else ()
+        mine, key, index = positions[:, sel], None, None
         if packed:
             key = pack_key([step.site_names[s.order[j]] for j in packed])
             index = np.empty((reqs, len(packed) + sizes[0]), np.int64)
             index[:, :len(packed)] = s.counts[packed]
             index[:, len(packed):] = mine[:, :sizes[0]]
-            index_rows = torch.from_numpy(index).unbind(0)
-        names = [step.site_names[s.order[j]] for j in solos]
-        per = len(sizes)
-        for i, req in enumerate(s.ids):
+        plans.append(FormatRows(fmt, perm[:, sel].reshape(-1), sizes, key,
+                                [step.site_names[s.order[j]] for j in solos], mine, index))
+    return s.ids, plans
+
+
+def split_uniform(step, labels: np.ndarray, perm: np.ndarray,
+                  cols: tuple[int, int, int]) -> dict[str, dict[str, torch.Tensor]] | None:
+    """`step`'s split where its requests are uniform (_shape), else None (the array
+    passes then split it): per output format one gather of every request's rows, each
+    request's pack of that format's smaller sites one slice of it and each site with
+    SOLO_BYTES of rows or more one slice of its own, as _split makes them."""
+    found = uniform_formats(step, labels, perm, cols)
+    if found is None:
+        return None
+    ids, plans = found
+    out: dict[str, dict[str, torch.Tensor]] = {req: {} for req in ids}
+    for p in plans:
+        pieces = p.sizes * len(ids)
+        data = step._gather(p.rows, p.fmt).split(pieces)
+        at = torch.from_numpy(p.positions.reshape(-1)).split(pieces) if p.names else ()
+        index_rows = torch.from_numpy(p.index).unbind(0) if p.key else ()
+        per = len(p.sizes)
+        for i, req in enumerate(ids):
             chunk, first = out[req], i * per
-            if packed:
-                chunk[key], chunk[positions_key(key)] = data[first], index_rows[i]
+            if p.key:
+                chunk[p.key], chunk[positions_key(p.key)] = data[first], index_rows[i]
                 first += 1
-            for k, name in enumerate(names):
+            for k, name in enumerate(p.names):
                 chunk[name], chunk[positions_key(name)] = data[first + k], at[first + k]
     return out
