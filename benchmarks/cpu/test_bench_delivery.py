@@ -119,8 +119,10 @@ def test_held_step(benchmark, at):
 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["quiet", "busy"])
-@pytest.mark.parametrize("reqs", [1, 8, 64], ids=["hs-first1", "hs-step8", "decode64"])
-def test_split_and_seal_beside_a_busy_thread(benchmark, reqs, busy):
+@pytest.mark.parametrize("reqs,rows_each,load", [(1, 1, "dump"), (8, 1, "dump"), (64, 1, "dump"),
+                                                 (8, 256, "qk")],
+                         ids=["hs-first1", "hs-step8", "decode64", "qk-prefill8"])
+def test_split_and_seal_beside_a_busy_thread(benchmark, reqs, rows_each, load, busy):
     """The worker's output path of a step carrying one row per request at 3 sites (8 KiB
     each: a burst's first step, a prefill step of 8 requests' last-prompt rows, a decode
     step of 64 requests capturing every token): the split and the seal
@@ -129,7 +131,10 @@ def test_split_and_seal_beside_a_busy_thread(benchmark, reqs, busy):
     the GIL: beside a busy thread each one may wait. Steps of up to
     CaptureStep.direct_rows rows are sealed straight from the host copy
     (courier/direct.py); the chunk way made about 20 torch calls per request. From
-    CaptureStep.uniform_rows rows a step of one spec (decode64) is cut in array passes."""
+    CaptureStep.uniform_rows rows a step of one spec (decode64) is cut in array passes,
+    and past CaptureStep.direct_rows (qk-prefill8: k rows at 256 positions, q at the
+    last, 4 layers) sealed from one copy per format, its k rows frames (views of it),
+    where the chunk way made 434 torch calls."""
     from graphtap.courier import StepSnapshots
 
     stop = threading.Event()
@@ -145,12 +150,12 @@ def test_split_and_seal_beside_a_busy_thread(benchmark, reqs, busy):
     try:
         out = benchmark.pedantic(
             lambda snap: snap._per_request(None), rounds=300,
-            setup=lambda: ((StepSnapshots([step_snapshot(reqs, 1, "dump")]),), {}))
+            setup=lambda: ((StepSnapshots([step_snapshot(reqs, rows_each, load)]),), {}))
     finally:
         stop.set()
         if busy:
             thread.join()
-    assert len(out) == reqs and all(not p.frames for p in out.values())
+    assert len(out) == reqs and all(bool(p.frames) == (load == "qk") for p in out.values())
 
 
 @pytest.mark.parametrize("path", ["now", "later", "settle"])
