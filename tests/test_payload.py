@@ -90,3 +90,28 @@ def test_an_unknown_dtype_in_a_payload_is_refused_by_name():
     blob = msgspec.msgpack.encode({"x": Inline("__class__", (1,), bytearray(4))})
     with pytest.raises(ValueError, match="'x' has dtype '__class__'"):
         open_payload(HookPayload(inline=blob))
+
+
+def test_sealing_makes_no_reshape_or_view_per_value():
+    """Each torch call that dispatches releases the GIL to the engine core's busy loop:
+    a value's bytes are read through numpy (no call that dispatches for a contiguous
+    value of numpy's dtypes; one view for bfloat16, which numpy lacks)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    chunk = {**{f"i{k}": torch.arange(5) for k in range(4)},
+             **{f"f{k}": torch.randn(2, 3) for k in range(4)},
+             **{f"b{k}": torch.randn(2, 3).to(torch.bfloat16) for k in range(4)}}
+    with Calls() as calls:
+        sealed = seal(chunk)
+    dispatched = [c for c in calls.seen if c in ("view", "reshape", "contiguous", "flatten")]
+    assert dispatched == ["view"] * 4
+    assert same(open_payload(sealed), chunk)
