@@ -82,6 +82,9 @@ def _shape(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[int, int, int
     formats = step.formats.get(int(slot[0]))
     if n % per or formats is None:
         return None
+    rows_of = np.bincount(slot)
+    if (rows_of[rows_of > 0] != per).any():
+        return None  # requests with more or fewer rows (a step of prefills and decodes)
     order, counts = np.unique(labels[mine, site_col], return_counts=True)
     order = order.tolist()  # the sites, ascending
     if one_pack:
