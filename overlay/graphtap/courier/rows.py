@@ -142,10 +142,17 @@ class CaptureStep(LabelledStep):
             if uniform is not None:
                 return uniform
         packs: dict[RowFormat, list[tuple[int, bool, int, int, int, str]]] = {}
+        # a format's pack format and row bytes once a step, not once a (request, site)
+        # group: a qk burst's step of prefills and decodes has 512 groups
+        known: dict[RowFormat, tuple[RowFormat, int]] = {}
         for req, slot, site, start, end, _, _ in self.spans(labels, perm, SLOT, SITE):
-            fmt = pack_format(self.formats[slot][site])
-            solo = (end - start) * row_bytes(fmt) >= SOLO_BYTES
-            packs.setdefault(fmt, []).append((slot, solo, site, start, end - start, req))
+            asked = self.formats[slot][site]
+            if (found := known.get(asked)) is None:
+                fmt = pack_format(asked)
+                found = known[asked] = fmt, row_bytes(fmt)
+            fmt, size = found
+            packs.setdefault(fmt, []).append((slot, (end - start) * size >= SOLO_BYTES,
+                                              site, start, end - start, req))
         out: dict[str, dict[str, torch.Tensor]] = {}
         for fmt, members in packs.items():
             # by request (slot), its packed sites first (one slice), then its solo ones
