@@ -19,7 +19,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from graphtap.courier.pack import unpack
 from graphtap.courier.payload import open_payload, seal
-from test_bench_ops import step_snapshot
+from test_bench_ops import mixed_qk_step, step_snapshot
 
 # hs: resid_post at 3 layers, the last prompt token (8 KiB rows); qk: q at the last
 # prompt token and k at every one of 256, 4 layers x 4 heads (step_snapshot's loads)
@@ -211,3 +211,14 @@ def test_before_the_step_message_leaves_with_a_request_finishing(benchmark):
 
     rows, payloads = benchmark.pedantic(run, rounds=100, setup=setup)
     assert len(rows.outputs) == 8 and "done" not in payloads
+
+
+def test_deferred_split_of_a_mixed_qk_step(benchmark):
+    """The split the engine core's output thread makes after a qk burst's usual step
+    has left (DeferredSplit: split_now), 8 requests' prefills beside 56 decodes
+    (mixed_qk_step): not uniform, so the chunk way, its groups 64 requests x 8 sites."""
+    from graphtap.courier import StepSnapshots
+
+    out = benchmark.pedantic(lambda snap: snap.split_now(), rounds=100,
+                             setup=lambda: ((StepSnapshots([mixed_qk_step()]),), {}))
+    assert len(out) == 64 and all(out[f"r{r}"].frames for r in range(56, 64))

@@ -170,25 +170,31 @@ def test_courier_split(benchmark, reqs, rows_each, load):
     assert len(out) == reqs and unpack(out["r0"])[name].shape[0] == rows_each
 
 
-def test_uniform_check_of_a_mixed_step(benchmark):
-    """Whether a step's requests all ask the same (uniform.uniform_formats), on a qk
-    burst's usual step: 8 requests' prefills (k at 256 positions, q at the last, 4
-    layers) beside 56 decoding ones (a row at each of the 8 sites). The answer is no, and
-    is asked twice a step (the direct seal, then split_uniform): each request's row
-    count, taken before any sort, says so where a decoding request's rows come first."""
-    from graphtap.courier.rows import ORDER
-    from graphtap.courier.uniform import uniform_formats
-
+def mixed_qk_step(rows=None) -> CaptureStep:
+    """A qk burst's usual step: 8 requests' prefills (k at 256 positions, q at the last,
+    4 layers, heads 0-3: 512 columns) beside 56 decoding ones (a row at each of the 8
+    sites), rows site-major as the device writes them."""
     fmt = RowFormat(torch.bfloat16, 512, (0, 1, 2, 3), 128)
     labels = [(r, s, p) for s in range(8) for r in range(64)
               for p in ([300] if r < 56 else range(256) if s % 2 else [255])]
     n, at = len(labels), torch.tensor(labels)
-    step = CaptureStep(StepRows(
-        torch.zeros(n, 512, dtype=torch.bfloat16), at,
+    return CaptureStep(StepRows(
+        torch.randn(n, 512).to(torch.bfloat16) if rows is None else rows, at,
         torch.cat([torch.tensor([n]), torch.bincount(at[:, 0], minlength=65)]),
         {r: f"r{r}" for r in range(64)}, dict.fromkeys(range(64), dict.fromkeys(range(8), fmt)),
         {s: f"blocks.{s}.attn.hook_{'qk'[s % 2]}" for s in range(8)}, 1 << 20,
         OverflowKind.CAPTURE_ROWS))
+
+
+def test_uniform_check_of_a_mixed_step(benchmark):
+    """Whether a step's requests all ask the same (uniform.uniform_formats) on a qk
+    burst's usual step (mixed_qk_step). The answer is no, and is asked twice a step (the
+    direct seal, then split_uniform): each request's row count, taken before any sort,
+    says so where a decoding request's rows come first."""
+    from graphtap.courier.rows import ORDER
+    from graphtap.courier.uniform import uniform_formats
+
+    step = mixed_qk_step()
     found = step.sorted_labels(ORDER)
     assert benchmark(lambda: uniform_formats(step, *found, ORDER)) is None
 
