@@ -103,9 +103,9 @@ def seal_request_major(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[i
     """Per request its values as seal() of split_uniform's chunk would hold them, in
     the same order, for a step whose requests all ask the same however large (a qk
     burst's prefill steps: k rows at every prompt position): per output format one
-    numpy copy of every request's rows, each value an Inline cut from it or, from
-    INLINE_BYTES on, a frame: a tensor view of that copy (torch calls per format, none
-    per request). `inline`: requests whose values all travel inside the message
+    copy of every request's rows, each value an Inline cut from a numpy view of it or,
+    from INLINE_BYTES on, a frame: a tensor view of it (torch calls per format, none per
+    request). `inline`: requests whose values all travel inside the message
     (payload.seal's all_inline). None where split_uniform would be or a format is a
     cast or heads in runs (_Cutter): the chunk way."""
     found = uniform_formats(step, labels, perm, cols)
@@ -123,11 +123,11 @@ def seal_request_major(step, labels: np.ndarray, perm: np.ndarray, cols: tuple[i
         # GIL for it, and copies words of the dtype's width at twice the pace of bytes
         # (numpy's fancy indexing was slower still)
         src = step.rows.view(_WORDS[cut.size])[:, lo // cut.size:hi // cut.size]
-        data = torch.index_select(src, 0, torch.from_numpy(p.rows)).numpy().view(np.uint8)
+        copied = torch.index_select(src, 0, torch.from_numpy(p.rows))
         edges = np.cumsum([0] + p.sizes).tolist()
-        total, flat = edges[-1], memoryview(data.reshape(-1))
-        frames = torch.from_numpy(data).view(dtype).view(-1, *tail).split(
-            p.sizes * len(ids)) if max(p.sizes) * width >= INLINE_BYTES else None
+        total, flat = edges[-1], memoryview(copied.numpy().reshape(-1)).cast("B")
+        frames = copied.view(dtype).view(-1, *tail).split(p.sizes * len(ids)) \
+            if max(p.sizes) * width >= INLINE_BYTES else None
         at = memoryview(np.ascontiguousarray(p.positions).reshape(-1))
         index = memoryview(p.index.reshape(-1)) if p.key else None
         for i, req in enumerate(ids):
