@@ -9,6 +9,10 @@
 # the bench's log and result; benchmarks/gpu/spy_report.py sums them per function.
 # SPY_TIMELINE=1: the engine core as a timeline instead (engine.json.gz: py-spy's Chrome
 # trace, waiting threads included), which benchmarks/gpu/spy_timeline.py reads per burst.
+# SPY_GIL=1: the same trace holding only the thread that has the GIL at each sample (which
+# thread a waiting busy loop waits for). Session 39's (H100, nonblocking, 20 s) got 5444
+# samples of 20000 and 1066 errors: too few to place a step's waits; trace_summary.py of
+# a --trace-modes burst said more.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=$1 seconds=$2 wheels=$3
@@ -28,8 +32,9 @@ record() {  # record NAME PID
   "$spy" record --nonblocking --threads --full-filenames -r 1000 -d "$seconds" -f raw \
     -o "$OUT/$1.txt" -p "$2" > "$OUT/spy-$1.log" 2>&1 || tail -5 "$OUT/spy-$1.log"
 }
-if [ "${SPY_TIMELINE:-0}" = 1 ]; then
-  "$spy" record --nonblocking --threads --full-filenames --idle -r 1000 -d "$seconds" \
+if [ "${SPY_TIMELINE:-0}" = 1 ] || [ "${SPY_GIL:-0}" = 1 ]; then
+  which=$([ "${SPY_GIL:-0}" = 1 ] && echo --gil || echo --idle)
+  "$spy" record --nonblocking --threads --full-filenames $which -r 1000 -d "$seconds" \
     -f chrometrace -o "$OUT/engine.json" -p "$engine" > "$OUT/spy-engine.log" 2>&1 &&
     gzip "$OUT/engine.json" || tail -5 "$OUT/spy-engine.log" &
 else

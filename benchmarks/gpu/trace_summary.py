@@ -1,0 +1,100 @@
+"""A torch-profiler trace of one burst (bench_tpot --trace-modes) in a few lines, so the
+device sends back figures rather than the trace (issue 18: where a hooked burst's first
+steps spend time that graphtap's host clock does not account for). Per trace: the
+device's kernels by total time, and the burst's first `--window` ms from its first
+kernel: how long the device was busy, its idle gaps (the host not keeping up, or a
+sync), and the host's CUDA runtime calls in that window by name.
+
+    python -m benchmarks.gpu.trace_summary TRACE.json.gz [...] [--window 40] [--top 20]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import Counter, defaultdict
+
+
+def events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def busy_and_gaps(kernels: list[tuple[float, float]], lo: float, hi: float,
+                  min_gap_us: float) -> tuple[float, list[tuple[float, float]]]:
+    """Union of kernel intervals inside [lo, hi) (us) and the gaps between them."""
+    busy, gaps, end = 0.0, [], lo
+    for ts, dur in sorted(kernels):
+        if ts >= hi:
+            break
+        s, e = max(ts, lo), min(ts + dur, hi)
+        if e <= end:
+            continue
+        if s > end and s - end >= min_gap_us:
+            gaps.append((end - lo, s - end))
+        busy += e - max(s, end)
+        end = e
+    return busy, gaps
+
+
+def summarise(path: str, window_ms: float, top: int, min_gap_us: float) -> None:
+    ev = [e for e in events(path) if e.get("ph") == "X"]
+    kernels = [e for e in ev if e.get("cat") == "kernel"]
+    print(f"== {path}: {len(kernels)} kernels")
+    if not kernels:
+        return
+    by_name = defaultdict(float)
+    count = Counter()
+    for k in kernels:
+        by_name[k["name"][:90]] += k.get("dur", 0)
+        count[k["name"][:90]] += 1
+    total = sum(by_name.values())
+    print(f"   kernel time {total / 1e3:.2f} ms over "
+          f"{(max(k['ts'] + k['dur'] for k in kernels) - min(k['ts'] for k in kernels)) / 1e3:.1f} ms")
+    for name, us in sorted(by_name.items(), key=lambda x: -x[1])[:top]:
+        print(f"   {us / 1e3:8.3f} ms {count[name]:6d}x  {name}")
+    ours = {n: us for n, us in by_name.items()
+            if any(s in n.lower() for s in ("graphtap", "capture", "route", "steer", "_hook",
+                                              "gather_rows", "scatter"))}
+    print(f"   graphtap-like kernels: {sum(ours.values()) / 1e3:.3f} ms "
+          f"({sum(count[n] for n in ours)} launches)")
+    for name, us in sorted(ours.items(), key=lambda x: -x[1])[:top]:
+        print(f"     {us / 1e3:8.3f} ms {count[name]:6d}x  {name}")
+    lo = min(k["ts"] for k in kernels)
+    hi = lo + window_ms * 1e3
+    busy, gaps = busy_and_gaps([(k["ts"], k.get("dur", 0)) for k in kernels], lo, hi,
+                               min_gap_us)
+    print(f"   first {window_ms:g} ms: device busy {busy / 1e3:.2f} ms; gaps >= "
+          f"{min_gap_us:g} us (at ms, us): "
+          + " ".join(f"{at / 1e3:.2f}:{d:.0f}" for at, d in gaps[:40]))
+    runtime = defaultdict(lambda: [0, 0.0])
+    for e in ev:
+        if e.get("cat") == "cuda_runtime" and lo <= e["ts"] < hi:
+            runtime[e["name"]][0] += 1
+            runtime[e["name"]][1] += e.get("dur", 0)
+    print("   runtime calls in the window: " + ", ".join(
+        f"{n} {c}x {us / 1e3:.2f} ms" for n, (c, us) in
+        sorted(runtime.items(), key=lambda x: -x[1][1])[:8]))
+    notes = [e for e in ev if e.get("cat") == "user_annotation" and lo - 50e3 <= e["ts"] < hi]
+    marks = Counter()
+    for e in notes:
+        marks[e["name"][:60]] += e.get("dur", 0)
+    print("   annotations in the window (ms): " + ", ".join(
+        f"{n} {us / 1e3:.2f}" for n, us in marks.most_common(12)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--window", type=float, default=40.0, help="ms from the first kernel")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--min-gap", type=float, default=100.0, help="us")
+    args = ap.parse_args()
+    for path in args.traces:
+        summarise(path, args.window, args.top, args.min_gap)
+
+
+if __name__ == "__main__":
+    main()
