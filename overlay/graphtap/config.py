@@ -79,6 +79,15 @@ class HookConfig(BaseModel):
     the finish either way. Requests with stop strings or repetition detection (any step
     may finish them) are never held."""
 
+    pinned_warm_bytes: int = Field(128 * 2**20, ge=0)
+    """Pinned host memory each GPU worker allocates and frees at start, in the
+    power-of-two blocks its steps' copies home will ask torch's pinned pool for (four of
+    each size, smallest first, up to the capture buffer's size or as far as this goes:
+    the default reaches 16 MiB blocks, a prefill step's k rows of 8 x 256 tokens at 4
+    layers; courier/pinned.py), so that a capture step does not allocate pinned memory
+    on the engine's busy loop, a stall of milliseconds for every request in the batch.
+    0: none (the pool grows as steps need it)."""
+
     pattern_rows: int = Field(256, ge=1)
     """Rows of the device attention-pattern buffer, per step (each row: one query position
     of one head, max_model_len floats). Allocated only when a hook_pattern site is

@@ -19,6 +19,7 @@ from graphtap.courier import StepSnapshots
 from graphtap.courier.held import Ending, StepBatch
 from graphtap.courier.held_chunks import HeldChunks, holds_outputs
 from graphtap.courier.later import Unsettled
+from graphtap.courier.pinned import warm_pinned_pool
 from graphtap.courier.sink import SinkFailed, SinkWriter
 from graphtap.courier.staging import Staging
 from graphtap.engine.families.capture import CaptureFamily
@@ -170,9 +171,15 @@ class EngineHooks(HookManager):
         self.unsettled = Unsettled()  # deferred splits no settle has made (courier/later.py)
         self.hold = HeldChunks(self.config.hold_outputs_bytes) \
             if self.config.hold_outputs_bytes > 0 else None
-        logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB",
-                    len(self.sites), [f.name for f in self.families], backend.name,
-                    tables.ops.nbytes() / 2**20)
+        warmed = 0
+        if device.type == "cuda" and self.config.pinned_warm_bytes:
+            warmed = warm_pinned_pool(max(f.host_copy_bytes() for f in self.families
+                                          if isinstance(f, RowFamily)),
+                                      self.config.pinned_warm_bytes)
+        logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB, "
+                    "pinned pool warmed %.1f MiB", len(self.sites),
+                    [f.name for f in self.families], backend.name,
+                    tables.ops.nbytes() / 2**20, warmed / 2**20)
 
     # ---------------------------------------------------------------- trace time
     def residual_slot(self, layer, kind, positions, hidden_states, residual) -> None:

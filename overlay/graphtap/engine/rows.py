@@ -289,6 +289,11 @@ class RowFamily(FamilyBase):
             rows, labels, count, slot_to_req, formats, self.site_names, self.t.rows,
             self.overflow_kind, home))
 
+    def host_copy_bytes(self) -> int:
+        """The most bytes a step's rows take home (every buffer row, every column)."""
+        buf = self.t.buf
+        return buf.shape[0] * buf.shape[1] * buf.element_size()
+
     def copies_home(self, slots) -> bool:
         """Whether the step's rows may go home at once (not where a device consumer
         reads them after the step: the capture family's sink)."""

@@ -1,0 +1,54 @@
+"""Torch's pinned host pool, filled at engine start with the block sizes a step's copies
+home will ask for.
+
+Why: a capture step's rows, labels and count go home into pinned host memory (a
+non_blocking copy to the CPU, or host_copy for a small step), which torch's caching host
+allocator hands out in power-of-two blocks and keeps once freed. A size it has not held
+yet is a cudaHostAlloc on the engine core's busy loop, milliseconds for a few MiB, and
+every request of the batch waits for it: on H100 and H200 hosts (sessions 37-39, five
+launches) the first burst of 64 qk requests after start spent 15-26 ms in five to_cpu
+calls of 1.3-10.3 ms each, the first hs burst one 2.1-2.3 ms collect, and later bursts a
+2-3 ms call now and then, where a larger step or one more block in flight than before
+needed one (a device trace put a cudaHostAlloc of 2.9 ms inside such a to_cpu). Allocating and freeing the blocks once at start leaves them in
+the pool's free lists, so those steps find them there."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+FLOOR = 512  # bytes: a step's count (a few hundred bytes) is the smallest copy home
+DEPTH = 4  # blocks per size: a step's copies in flight (deferred splits, the next steps)
+
+
+def buckets(max_bytes: int, floor: int = FLOOR) -> list[int]:
+    """The power-of-two block sizes from `floor` up to the one that holds `max_bytes`."""
+    out = [floor]
+    while out[-1] < max_bytes:
+        out.append(out[-1] * 2)
+    return out
+
+
+def warm_plan(max_bytes: int, budget: int, depth: int = DEPTH) -> list[int]:
+    """The sizes to warm, smallest first, `depth` blocks each, while they fit `budget`
+    bytes (the largest, rarest steps' sizes are the ones left out)."""
+    plan, used = [], 0
+    for size in buckets(max_bytes):
+        if used + depth * size > budget:
+            break
+        plan.append(size)
+        used += depth * size
+    return plan
+
+
+def warm_pinned_pool(max_bytes: int, budget: int, depth: int = DEPTH,
+                     alloc: Callable[[int], torch.Tensor] | None = None) -> int:
+    """Allocates `depth` pinned blocks of each size of warm_plan, all held at once (so
+    the pool makes `depth` of each, not one reused), then frees them into the pool.
+    Returns the bytes warmed. `alloc`: the allocation (tests)."""
+    alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+    held = [alloc(size) for size in warm_plan(max_bytes, budget, depth)
+            for _ in range(depth)]
+    warmed = sum(t.numel() for t in held)
+    del held
+    return warmed
