@@ -1,0 +1,88 @@
+"""What the engine core's busy loop loses while vLLM's output thread splits a capture
+step's rows beside it (issue 18). On the H100 (session 39) a burst's first steps are
+host-bound: the device was busy 32-35 ms of the first 60, with gaps between launches.
+Under vLLM's torch profiler, a qk burst's steps from the second on took 20-29 ms
+against idle's 16-19, running the same vLLM ops, each one slower. That was the busy
+loop waiting for the GIL while the output thread split the previous step's qk rows
+(33-45 ms of splits a burst). The split's wall time matters less than what it holds the GIL for,
+which this measures. The busy loop here stands in for vLLM's: a small torch call (the
+GIL released and taken back, as every launch does) and some Python, a fixed amount of
+work; beside it, one step's split (StepSnapshots._per_request). The loop's extra time
+over `nothing` is what one split costs every request of the batch.
+
+The qk steps are a burst's usual ones under chunked prefill: 9 decoding requests with
+no rows beside 7 whole prefills, the first 217 prompt tokens of one request and the
+last 39 of another (k at every prompt position, q at the last, 4 layers x 4 heads), so
+not uniform (the chunk way); and, for comparison, 8 whole prefills (uniform: the
+direct seal)."""
+import threading
+
+import pytest
+import torch
+
+from graphtap.courier import CaptureStep, OverflowKind, RowFormat, StepRows
+
+LOOP = 2000  # iterations: ~10 ms here, longer than any split beside it
+
+
+def chunked_qk_step(decodes: int = 9, whole: int = 7, head: int = 217, tail: int = 39,
+                    prompt: int = 256) -> CaptureStep:
+    """A qk burst's step under chunked prefill, rows site-major as the device writes
+    them (head=tail=0: `whole` prefills only, every request asking the same)."""
+    q = RowFormat(torch.bfloat16, 4096, (0, 1, 2, 3), 128)
+    k = RowFormat(torch.bfloat16, 1024, (0, 1, 2, 3), 128)
+    spans = [[]] * decodes + [list(range(prompt))] * whole
+    spans += [list(range(head))] if head else []
+    spans += [list(range(prompt - tail, prompt))] if tail else []
+    labels = []
+    for site in range(8):
+        for slot, positions in enumerate(spans):
+            if site % 2:  # k: every prompt position of the step
+                labels += [(slot, site, p) for p in positions]
+            elif positions and positions[-1] == prompt - 1:  # q: the last prompt token
+                labels.append((slot, site, prompt - 1))
+    n, at = len(labels), torch.tensor(labels)
+    layout = {s: k if s % 2 else q for s in range(8)}
+    return CaptureStep(StepRows(
+        torch.randn(n, 512).to(torch.bfloat16), at,
+        torch.cat([torch.tensor([n]), torch.bincount(at[:, 0], minlength=len(spans) + 1)]),
+        {r: f"r{r}" for r in range(len(spans))}, dict.fromkeys(range(len(spans)), layout),
+        {s: f"blocks.{s}.attn.hook_{'qk'[s % 2]}" for s in range(8)}, 1 << 20,
+        OverflowKind.CAPTURE_ROWS))
+
+
+def busy_loop(x: torch.Tensor) -> None:
+    for _ in range(LOOP):
+        x.add_(1)  # a torch call: the GIL released and taken back
+        sum(range(40))  # a few microseconds of Python
+
+
+@pytest.mark.parametrize("beside", ["nothing", "qk-chunked", "qk-uniform8"])
+def test_busy_loop_beside_a_split(benchmark, beside):
+    from graphtap.courier import StepSnapshots
+
+    def setup():
+        step = None if beside == "nothing" else chunked_qk_step() \
+            if beside == "qk-chunked" else chunked_qk_step(whole=8, head=0, tail=0)
+        go, done = threading.Event(), []
+
+        def split():
+            go.wait()
+            if step is not None:
+                done.append(StepSnapshots([step])._per_request(None))
+
+        thread = threading.Thread(target=split)
+        thread.start()
+        return (go, thread, done), {}
+
+    x = torch.zeros(64)
+
+    def run(go, thread, done):
+        go.set()
+        busy_loop(x)
+        thread.join()  # done well before the loop (its splits take ~1.5 ms)
+        return done
+
+    done = benchmark.pedantic(run, setup=setup, rounds=60)
+    assert (len(done[0]) if done else 0) == {"nothing": 0, "qk-chunked": 9,
+                                             "qk-uniform8": 8}[beside]
