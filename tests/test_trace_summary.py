@@ -16,7 +16,8 @@ def test_busy_time_counts_overlaps_once_and_lists_gaps():
 
 def test_summary_of_a_trace(tmp_path, capsys):
     events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 1000, "dur": 300},
-              {"ph": "X", "cat": "kernel", "name": "_capture_kernel", "ts": 1400, "dur": 20},
+              {"ph": "X", "cat": "kernel", "name": "_capture_kernel", "ts": 1400,
+               "dur": 20},
               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3000, "dur": 300},
               {"ph": "X", "cat": "cuda_runtime", "name": "cudaHostAlloc", "ts": 1500,
                "dur": 1200},

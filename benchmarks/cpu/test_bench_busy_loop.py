@@ -4,8 +4,8 @@ host-bound: the device was busy 32-35 ms of the first 60, with gaps between laun
 Under vLLM's torch profiler, a qk burst's steps from the second on took 20-29 ms
 against idle's 16-19, running the same vLLM ops, each one slower. That was the busy
 loop waiting for the GIL while the output thread split the previous step's qk rows
-(33-45 ms of splits a burst). The split's wall time matters less than what it holds the GIL for,
-which this measures. The busy loop here stands in for vLLM's: a small torch call (the
+(33-45 ms of splits a burst). What the split costs the loop, not its own wall time, is
+what this measures. The busy loop here stands in for vLLM's: a small torch call (the
 GIL released and taken back, as every launch does) and some Python, a fixed amount of
 work; beside it, one step's split (StepSnapshots._per_request). The loop's extra time
 over `nothing` is what one split costs every request of the batch.

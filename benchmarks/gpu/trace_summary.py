@@ -14,6 +14,9 @@ import gzip
 import json
 from collections import Counter, defaultdict
 
+# kernel names that are graphtap's ops (Triton kernels, the steer-fused norm, gathers)
+OURS = ("graphtap", "capture", "route", "steer", "_hook", "gather_rows", "scatter")
+
 
 def events(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
@@ -51,13 +54,11 @@ def summarise(path: str, window_ms: float, top: int, min_gap_us: float) -> None:
         by_name[k["name"][:90]] += k.get("dur", 0)
         count[k["name"][:90]] += 1
     total = sum(by_name.values())
-    print(f"   kernel time {total / 1e3:.2f} ms over "
-          f"{(max(k['ts'] + k['dur'] for k in kernels) - min(k['ts'] for k in kernels)) / 1e3:.1f} ms")
+    span = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
+    print(f"   kernel time {total / 1e3:.2f} ms over {span / 1e3:.1f} ms")
     for name, us in sorted(by_name.items(), key=lambda x: -x[1])[:top]:
         print(f"   {us / 1e3:8.3f} ms {count[name]:6d}x  {name}")
-    ours = {n: us for n, us in by_name.items()
-            if any(s in n.lower() for s in ("graphtap", "capture", "route", "steer", "_hook",
-                                              "gather_rows", "scatter"))}
+    ours = {n: us for n, us in by_name.items() if any(s in n.lower() for s in OURS)}
     print(f"   graphtap-like kernels: {sum(ours.values()) / 1e3:.3f} ms "
           f"({sum(count[n] for n in ours)} launches)")
     for name, us in sorted(ours.items(), key=lambda x: -x[1])[:top]:
@@ -77,7 +78,8 @@ def summarise(path: str, window_ms: float, top: int, min_gap_us: float) -> None:
     print("   runtime calls in the window: " + ", ".join(
         f"{n} {c}x {us / 1e3:.2f} ms" for n, (c, us) in
         sorted(runtime.items(), key=lambda x: -x[1][1])[:8]))
-    notes = [e for e in ev if e.get("cat") == "user_annotation" and lo - 50e3 <= e["ts"] < hi]
+    notes = [e for e in ev
+             if e.get("cat") == "user_annotation" and lo - 50e3 <= e["ts"] < hi]
     marks = Counter()
     for e in notes:
         marks[e["name"][:60]] += e.get("dur", 0)

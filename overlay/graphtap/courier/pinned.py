@@ -9,8 +9,9 @@ every request of the batch waits for it: on H100 and H200 hosts (sessions 37-39,
 launches) the first burst of 64 qk requests after start spent 15-26 ms in five to_cpu
 calls of 1.3-10.3 ms each, the first hs burst one 2.1-2.3 ms collect, and later bursts a
 2-3 ms call now and then, where a larger step or one more block in flight than before
-needed one (a device trace put a cudaHostAlloc of 2.9 ms inside such a to_cpu). Allocating and freeing the blocks once at start leaves them in
-the pool's free lists, so those steps find them there."""
+needed one (a device trace put a cudaHostAlloc of 2.9 ms inside such a to_cpu).
+Allocating and freeing the blocks once at start leaves them in the pool's free lists,
+so those steps find them there."""
 from __future__ import annotations
 
 from collections.abc import Callable
