@@ -48,8 +48,7 @@ def warm_pinned_pool(max_bytes: int, budget: int, depth: int = DEPTH,
     the pool makes `depth` of each, not one reused), then frees them into the pool.
     Returns the bytes warmed. `alloc`: the allocation (tests)."""
     alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
-    held = [alloc(size) for size in warm_plan(max_bytes, budget, depth)
-            for _ in range(depth)]
-    warmed = sum(t.numel() for t in held)
+    plan = warm_plan(max_bytes, budget, depth)
+    held = [alloc(size) for size in plan for _ in range(depth)]
     del held
-    return warmed
+    return depth * sum(plan)
