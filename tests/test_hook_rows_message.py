@@ -188,3 +188,65 @@ def test_graphtap_s_deferred_split_reaches_the_finish_through_the_output_thread(
         assert inline == bytes(now[rid].inline)
         assert frames.keys() == now[rid].frames.keys() and frames  # k travels as a frame
         assert all(torch.equal(frames[k], now[rid].frames[k]) for k in frames)
+
+
+class ShippedRecorder(Recorder):
+    """A frontend that splits the steps graphtap ships whole (courier/shipped.py)."""
+
+    def __init__(self):
+        from graphtap.courier.shipped import ShippedRows
+
+        self.shipped = ShippedRows()
+
+    def rows_arrived(self, request_id, payloads):
+        return self.shipped.arrived(request_id, payloads)
+
+    def finish_outputs(self, request_id, chunks, num_tokens):
+        return super().finish_outputs(request_id, self.shipped.resolve(request_id, chunks),
+                                      num_tokens)
+
+    def release_request(self, request_id):
+        self.shipped.release(request_id)
+
+
+def test_a_shipped_step_reaches_every_request_though_its_carrier_was_aborted(output_thread):
+    """graphtap ships a deferred step whole (HookPayload.ship): the step's first request
+    in the rows' message carries the step, the others a marker of it. The output
+    processor hands every rows' output to the frontend before it drops those of aborted
+    requests (patch 0008): before, a carrier aborted in the frontend took the other
+    requests' rows with it."""
+    from graphtap.courier import RowFormat, StepSnapshots
+    from graphtap.courier.later import Unsettled
+    from helpers import capture_step
+
+    send, receive = output_thread
+    fmt = RowFormat(torch.bfloat16, 512, (0, 1, 2, 3), 128)  # k of 4 heads: 80 KiB a request
+    labels = [(r, 1, p) for r in range(2) for p in range(80)]
+    rows = torch.randn(len(labels), 512).to(torch.bfloat16)
+
+    def step(unsettled=None) -> StepSnapshots:
+        return StepSnapshots([capture_step(rows, labels, len(labels), {0: "a", 1: "b"},
+                                           {0: {1: fmt}, 1: {1: fmt}},
+                                           {1: "blocks.0.attn.hook_k"})], unsettled=unsettled)
+
+    now, later = step()._per_request(None), step(Unsettled(ship=True)).per_request(None)
+    proc = OutputProcessor(None, log_stats=False, hooks=ShippedRecorder())
+    for rid in "ab":
+        proc.add_request(engine_request(rid, max_tokens=2), None)
+    send.put_nowait((0, EngineCoreOutputs(outputs=[
+        out("a", [7], [later["a"]]), out("b", [7], [later["b"]])])))
+    send.put_nowait((0, EngineCoreOutputs(outputs=[out("b", [8], None, FinishReason.LENGTH)])))
+    messages = [receive() for _ in range(3)]
+    assert [[(o.request_id, o.hooks_only) for o in m.outputs] for m in messages] == \
+        [[("a", False), ("b", False)], [("a", True), ("b", True)], [("b", False)]]
+    assert messages[1].outputs[0].hook_outputs[0].frames  # a carries the step
+    proc.process_outputs(messages[0].outputs, messages[0].timestamp, None)
+    proc.abort_requests(["a"], internal=True)  # the client went away
+    finished = {}
+    for m in messages[1:]:
+        done = proc.process_outputs(m.outputs, m.timestamp, None)
+        finished.update({o.request_id: o for o in done.request_outputs if o.finished})
+    ((inline, frames),) = finished["b"].hooks
+    assert inline == bytes(now["b"].inline) and frames.keys() == now["b"].frames.keys()
+    assert all(torch.equal(frames[k], now["b"].frames[k]) for k in frames)
+    assert proc.hooks.shipped.waiting() == 0  # a's payload went with it

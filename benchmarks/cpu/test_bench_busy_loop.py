@@ -57,6 +57,49 @@ def busy_loop(x: torch.Tensor) -> None:
         sum(range(40))  # a few microseconds of Python
 
 
+def sent(step: CaptureStep, ship: bool) -> list:
+    """What the engine core's output thread does with a deferred step: each request's
+    payload settled (split here) or shipped (the step whole, courier/shipped.py), and
+    the rows' message encoded by vLLM's encoder."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.later import Unsettled
+
+    later = StepSnapshots([step], unsettled=Unsettled(ship=ship)).per_request(None)
+    outputs = [EngineCoreOutput(request_id=r, new_token_ids=[], hooks_only=True,
+                                hook_outputs=[p.ship()]) for r, p in later.items()]
+    return MsgpackEncoder().encode(EngineCoreOutputs(outputs=outputs))
+
+
+@pytest.mark.parametrize("ship", [False, True], ids=["split-sent", "shipped"])
+def test_busy_loop_beside_a_rows_message(benchmark, ship):
+    """The output thread's whole part of a chunked qk step: split and encoded, or
+    shipped whole (split in the frontend's process) and encoded."""
+    def setup():
+        step = chunked_qk_step()
+        go, done = threading.Event(), []
+
+        def work():
+            go.wait()
+            done.append(sent(step, ship))
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        return (go, thread, done), {}
+
+    x = torch.zeros(64)
+
+    def run(go, thread, done):
+        go.set()
+        busy_loop(x)
+        thread.join()
+        return done
+
+    assert benchmark.pedantic(run, setup=setup, rounds=60)
+
+
 @pytest.mark.parametrize("beside", ["nothing", "qk-chunked", "qk-uniform8"])
 def test_busy_loop_beside_a_split(benchmark, beside):
     from graphtap.courier import StepSnapshots

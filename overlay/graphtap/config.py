@@ -79,6 +79,13 @@ class HookConfig(BaseModel):
     the finish either way. Requests with stop strings or repetition detection (any step
     may finish them) are never held."""
 
+    split_in_frontend: bool = True
+    """Whether a large capture step whose split may wait (no guard, nothing held, no
+    sink) travels to the frontend whole, rows and labels, and is split there
+    (courier/shipped.py), instead of on the engine core's output thread beside the busy
+    loop, whose time it took (twice the split's own: GIL hand-overs). Only with one API
+    server: with several, a step's requests may belong to different frontends."""
+
     pinned_warm_bytes: int = Field(128 * 2**20, ge=0)
     """Pinned host memory each GPU worker allocates and frees at start, in the
     power-of-two blocks its steps' copies home will ask torch's pinned pool for (four of

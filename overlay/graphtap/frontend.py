@@ -13,7 +13,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.hooks import HookFrontend
 
 from graphtap.config import HookConfig
-from graphtap.courier import Saver, assemble, holds_outputs, open_chunks
+from graphtap.courier import Saver, ShippedRows, assemble, holds_outputs, open_chunks
 from graphtap.log import get_logger
 from graphtap.outputs import HookOutputs
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
@@ -80,6 +80,7 @@ class GraphtapFrontend(HookFrontend):
         self._specs: OrderedDict[tuple[bytes, int], tuple[NormalisedSpec, SizePlan]] = \
             OrderedDict()
         self.saver = Saver(shape.save_root, shape.save_quota_bytes)
+        self.shipped = ShippedRows()  # steps the engine shipped whole (courier/shipped.py)
 
     @classmethod
     def for_engine(cls, vllm_config, config: HookConfig) -> "GraphtapFrontend":
@@ -221,9 +222,11 @@ class GraphtapFrontend(HookFrontend):
                     "vectors_held": sum(1 for n in self._refs.values() if n > 0),
                     "requests_capturing": len(self._finish),
                     "live_capture_bytes": sum(self._bytes.values()),
-                    "saved_bytes": self.saver.written}
+                    "saved_bytes": self.saver.written,
+                    "shipped_waiting": self.shipped.waiting()}
 
     def release_request(self, request_id: str) -> None:
+        self.shipped.release(request_id)
         with self._lock:
             self._finish.pop(request_id, None)  # aborted before it finished
             self._bytes.pop(request_id, None)
@@ -233,6 +236,10 @@ class GraphtapFrontend(HookFrontend):
                 for k in keys:
                     if self._refs[k] <= 0:
                         del self._refs[k]
+
+    def rows_arrived(self, request_id: str, payloads):
+        # a shipped step is split here, in the frontend's process, off the busy loop's
+        return self.shipped.arrived(request_id, payloads)
 
     def finish_outputs(self, request_id: str, chunks, num_tokens: int = 0) -> HookOutputs | None:
         # Runs in AsyncLLM's output handler, where an exception stops the API server:
@@ -246,6 +253,7 @@ class GraphtapFrontend(HookFrontend):
             # until the request may finish: the last send must cover its length
             held = num_tokens - 1 if spec is not None and (spec.probe or chunks_held) \
                 else None
+            chunks = self.shipped.resolve(request_id, chunks)
             out = assemble([c for p in chunks for c in open_chunks(p)],
                            spec.guard if spec is not None else None, prompt_len, held)
         except Exception as e:

@@ -9,8 +9,10 @@ from graphtap.courier.payload import open_chunks, open_payload, seal
 from graphtap.courier.pack import columns
 from graphtap.courier.rows import CaptureStep, RowFormat
 from graphtap.courier.save import Saver
+from graphtap.courier.shipped import ShippedRows
 from graphtap.courier.snapshot import LabelledStep, StepRows, StepSnapshots
 
 __all__ = ["CaptureStep", "LabelledStep", "Overflow", "OverflowKind", "PatternFormat",
-           "PatternStep", "RequestErrors", "RowFormat", "Saver", "StepRows", "StepSnapshots", "assemble",
+           "PatternStep", "RequestErrors", "RowFormat", "Saver", "ShippedRows", "StepRows",
+           "StepSnapshots", "assemble",
            "columns", "holds_outputs", "open_chunks", "open_payload", "seal"]

@@ -27,6 +27,7 @@ from vllm.v1.outputs import HookPayload
 
 from graphtap.courier.chunks import ERROR, error_tensor
 from graphtap.courier.payload import seal
+from graphtap.courier.shipped import StepIds, bundle, marker, shippable
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,15 @@ class LaterPayload(HookPayload, gc=True):
             self.split = None
         return self.made
 
+    def ship(self) -> HookPayload:
+        """What the engine core's output thread sends (patch 0008): the step whole or
+        a marker where the engine ships its steps (courier/shipped.py), else settled."""
+        made = self.made
+        if made is None:
+            made = self.made = self.split.ship(self.req)
+            self.split = None
+        return made
+
     def __reduce__(self):
         # A worker in a process of its own (vLLM's multiprocessing executor: TP > 1,
         # the CPU backend) pickles the step's output to the engine core: it settles
@@ -62,10 +72,13 @@ class DeferredSplit:
     by its requests' payloads, each handed out once (the output thread settles them one
     by one; a lock keeps two threads from making it twice)."""
 
-    def __init__(self, snapshots, requests: set[str]):
+    def __init__(self, snapshots, requests: set[str], ship=None):
         self._snapshots, self._requests = snapshots, requests
         self._lock = threading.Lock()
         self._made: dict[str, HookPayload] | None = None
+        # where the step may travel whole (shipped.py): its id maker; then its id, once
+        # its bundle has gone
+        self._ship, self._shipped = ship, None
 
     def payloads(self) -> dict[str, LaterPayload]:
         return {req: LaterPayload(req=req, split=self) for req in self._requests}
@@ -78,11 +91,28 @@ class DeferredSplit:
 
     def payload(self, req: str) -> HookPayload:
         with self._lock:
+            if self._shipped is not None:  # its payload waits in the frontend
+                return marker(self._shipped) if req in self._requests else EMPTY
             self._make_once(timed=True)
             return self._made.pop(req, EMPTY)
 
+    def ship(self, req: str) -> HookPayload:
+        """`req`'s payload as it leaves the engine core's process: the first one the
+        step whole (its bundle), the others a marker of it, where the step may travel
+        whole and nothing has split it yet; else as payload() makes it."""
+        with self._lock:
+            if self._shipped is None and self._made is None and self._ship is not None \
+                    and shippable(self._snapshots.parts):
+                with self._snapshots.clock.phase("ship"):
+                    self._shipped = self._ship()
+                    sent = bundle(self._shipped, self._snapshots.parts,
+                                  sorted(self._requests))
+                self._snapshots = None  # the bundle holds the host copies until sent
+                return sent
+        return self.payload(req)
+
     def _make_once(self, timed: bool) -> None:  # under the lock
-        if self._made is None:
+        if self._made is None and self._shipped is None:
             with self._snapshots.clock.phase("split_later") if timed else nullcontext():
                 self._made = self._make()
             self._snapshots = None  # the step's host copies go once split
@@ -106,8 +136,11 @@ class Unsettled:
     per_request makes the older ones that are still waiting, on vLLM's async output
     thread (where the split ran before): at most one step's copy stays pinned."""
 
-    def __init__(self) -> None:
+    def __init__(self, ship: bool = False) -> None:
         self._waiting: list[DeferredSplit] = []
+        # the engine's bundle ids where its deferred steps may travel whole to the
+        # frontend (shipped.py: one frontend, an engine core of its own process)
+        self.ship = StepIds() if ship else None
 
     def make_older(self) -> None:
         """Makes the splits of earlier steps that no settle has made."""

@@ -95,7 +95,8 @@ class StepSnapshots:
             requests = self._defers()
             if requests is not None:
                 self.release_parts()  # the copy is done (after the copy event)
-                return self.unsettled.add(DeferredSplit(self, requests)).payloads()
+                return self.unsettled.add(
+                    DeferredSplit(self, requests, self.unsettled.ship)).payloads()
             return self._per_request(step)
 
     def split_now(self) -> dict[str, HookPayload]:

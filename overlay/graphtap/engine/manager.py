@@ -168,7 +168,10 @@ class EngineHooks(HookManager):
         # them (patch 0008) arrives, so their values all travel inside the message.
         self._stops: set[str] = set()
         self.clock = HostClock()  # this engine's host time per phase (stats: "host")
-        self.unsettled = Unsettled()  # deferred splits no settle has made (courier/later.py)
+        # deferred splits no settle has made (courier/later.py), and whether they travel
+        # whole to the frontend (one API server: its requests all go to it)
+        self.unsettled = Unsettled(ship=self.config.split_in_frontend and getattr(
+            vllm_config.parallel_config, "_api_process_count", 1) == 1)
         self.hold = HeldChunks(self.config.hold_outputs_bytes) \
             if self.config.hold_outputs_bytes > 0 else None
         warmed = 0
