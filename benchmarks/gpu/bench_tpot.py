@@ -84,6 +84,8 @@ def engine_args(args, path: str, cfg: dict, memory: float | None = None):
             config["sink_max_queued_bytes"] = int(args.sink_queue_gb * 2**30)
         if args.hold_outputs_mb:  # captures go home at a step that may finish them
             config["hold_outputs_bytes"] = int(args.hold_outputs_mb * 2**20)
+        if args.split_in_engine:  # deferred steps split on the output thread (A/B)
+            config["split_in_frontend"] = False
         args.sink_dir = config.get("sink_dir")
         kw.update(hook_manager="graphtap", hook_config=config,
                   worker_extension_cls=WORKER_EXTENSION)
@@ -183,7 +185,8 @@ async def bench(args) -> dict:
     vec = steer_vector(cfg)
     result = {"model": args.model, "variant": args.variant, "input_len": args.input_len,
               "output_len": args.output_len, "startup_s": startup, "runs": [],
-              "host": platform.node(), "gpu": gpu_name(), "vllm": vllm_version()}
+              "host": platform.node(), "gpu": gpu_name(), "vllm": vllm_version(),
+              "split_in_frontend": not args.split_in_engine}
     out = Path(args.out) / f"tpot-{args.model}-{args.variant}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if "sink" in modes:  # the limits the sink is measured against, on this machine
@@ -345,6 +348,9 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
                     help="hook_config.hold_outputs_bytes in MiB: capturing requests' step "
                          "outputs held on the worker until a step that may finish them "
                          "(default: off, every step's travel with its tokens)")
+    ap.add_argument("--split-in-engine", action="store_true",
+                    help="hook_config.split_in_frontend off: a deferred capture step is "
+                         "split on the engine core's output thread, as before s40")
     ap.add_argument("--prefill-graphs", type=int, default=0, metavar="TOKENS",
                     help="steps of TOKENS tokens with CUDA graphs up to that size "
                          "(graph_sizes.py; default: vLLM's sizes, none above 128 tokens "
