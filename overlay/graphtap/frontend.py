@@ -80,7 +80,7 @@ class GraphtapFrontend(HookFrontend):
         self._specs: OrderedDict[tuple[bytes, int], tuple[NormalisedSpec, SizePlan]] = \
             OrderedDict()
         self.saver = Saver(shape.save_root, shape.save_quota_bytes)
-        self.shipped = ShippedRows()  # steps the engine shipped whole (courier/shipped.py)
+        self.shipped = ShippedRows(self._capturing)  # steps shipped whole (courier/shipped.py)
 
     @classmethod
     def for_engine(cls, vllm_config, config: HookConfig) -> "GraphtapFrontend":
@@ -236,6 +236,10 @@ class GraphtapFrontend(HookFrontend):
                 for k in keys:
                     if self._refs[k] <= 0:
                         del self._refs[k]
+
+    def _capturing(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._finish
 
     def rows_arrived(self, request_id: str, payloads):
         # a shipped step is split here, in the frontend's process, off the busy loop's

@@ -14,15 +14,16 @@ labels and counts as frames, and what the split needs besides (slots to requests
 formats, site names, capacity) inside the message; every other request of the step gets
 a marker, naming the bundle. Both begin with a byte msgpack never uses (0xc1), so a
 payload's first byte tells them apart from payloads sealed the usual way (payload.py).
-The frontend splits a bundle when it arrives (ShippedRows.arrived) and hands each
-request its payload when its marker comes (most in the same message; one the engine
-settled for a finishing request, in the message that finishes it)."""
+The frontend starts a bundle's split when it arrives (ShippedRows.arrived), on a thread
+of its own, and hands each request its payloads when it finishes."""
 from __future__ import annotations
 
 import logging
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
+from typing import Callable
 
 import msgspec
 import torch
@@ -138,70 +139,74 @@ def marker_step(payload: HookPayload) -> str:
 
 
 class ShippedRows:
-    """The frontend's side: each request's payloads split from bundles whose markers
-    have not come yet (per request, per step id). A request's entries go when its marker
-    comes or when it is released (finished or aborted), so nothing stays behind."""
+    """The frontend's side: a bundle is split on a thread of its own as it arrives (the
+    output handler goes on delivering tokens: split there, a qk burst's steps delayed
+    its later tokens by some 10 ms end to end on the H100), and each request's markers
+    are replaced by its payloads when it finishes (per request, per step id, the
+    split's result). A request's entries go when it finishes or is released
+    (finished or aborted), so nothing stays behind."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: Callable[[str], bool] | None = None) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[str, dict[str, HookPayload]] = {}
+        self._waiting: dict[str, dict[str, Future]] = {}
+        # whether a request may still finish here: a bundle may come after some of its
+        # step's requests were aborted, and what it keeps for them would stay forever
+        self._live = live
+        self._pool: ThreadPoolExecutor | None = None  # made at the first bundle
 
     def arrived(self, request_id: str, payloads: list[HookPayload]) -> list[HookPayload]:
-        """A request's payloads of a rows message (HookFrontend.rows_arrived), with a
-        bundle split (every request's payload kept for its marker) and markers whose
-        payload is here replaced by it."""
-        if not any(is_shipped(p) for p in payloads):
+        """A request's payloads of a rows message (HookFrontend.rows_arrived): a bundle
+        becomes its marker, its split started for every request of its step."""
+        if not any(p.inline[:len(BUNDLE)] == BUNDLE for p in payloads):
             return payloads
-        out = []
-        for p in payloads:
-            if p.inline[:len(BUNDLE)] == BUNDLE:
-                p = self._split(p)
-            out.append(self._resolve(request_id, p) if is_shipped(p) else p)
-        return [p for p in out if p is not EMPTY]
+        return [self._split(p) if p.inline[:len(BUNDLE)] == BUNDLE else p for p in payloads]
 
     def resolve(self, request_id: str, payloads: list[HookPayload]) -> list[HookPayload]:
-        """A finished request's payloads with every marker replaced by its payload; a
-        marker whose payload never came becomes the error that says so."""
+        """A finished request's payloads with every marker replaced by its payload (its
+        step's split waited for where not made yet); a marker whose bundle never came
+        becomes the error that says so."""
         if not any(is_shipped(p) for p in payloads):
             return payloads
-        out = [self._resolve(request_id, p, final=True) if is_shipped(p) else p
-               for p in payloads]
-        return [p for p in out if p is not EMPTY]
+        with self._lock:
+            mine = self._waiting.pop(request_id, {})
+        out = []
+        for p in payloads:
+            if is_shipped(p):
+                made = mine.get(marker_step(p))
+                p = _failed("a step's shipped rows never reached this frontend") \
+                    if made is None else made.result().get(request_id, EMPTY)
+            if p is not EMPTY:
+                out.append(p)
+        return out
 
     def release(self, request_id: str) -> None:
         with self._lock:
             self._waiting.pop(request_id, None)
 
     def waiting(self) -> int:
-        """Payloads kept for markers not come yet (leak checks: 0 once all ended)."""
+        """Steps' splits kept for requests not finished (leak checks: 0 once all ended)."""
         with self._lock:
             return sum(len(v) for v in self._waiting.values())
 
     def _split(self, payload: HookPayload) -> HookPayload:
         meta = _BUNDLE.decode(memoryview(payload.inline)[len(BUNDLE):])
-        try:
-            made = split_bundle(meta, payload.frames)
-        except Exception as e:  # in the output handler: fail the step's rows, not it
-            logger.exception("graphtap: splitting a shipped step's hook outputs")
-            failed = _failed(f"could not split a step's rows ({type(e).__name__}: {e})")
-            made = dict.fromkeys(meta.requests, failed)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="graphtap-split")
+        made = self._pool.submit(_made, meta, payload.frames)
         with self._lock:
-            for req in meta.requests:  # none where the split gave a request nothing
-                self._waiting.setdefault(req, {})[meta.step] = made.get(req, EMPTY)
+            for req in meta.requests:
+                if self._live is None or self._live(req):
+                    self._waiting.setdefault(req, {})[meta.step] = made
         return marker(meta.step)
 
-    def _resolve(self, request_id: str, payload: HookPayload,
-                 final: bool = False) -> HookPayload:
-        step = marker_step(payload)
-        with self._lock:
-            mine = self._waiting.get(request_id)
-            found = mine.pop(step, None) if mine else None
-            if mine is not None and not mine:
-                del self._waiting[request_id]
-        if found is not None:
-            return found
-        return _failed("a step's shipped rows never reached this frontend") if final \
-            else payload
+
+def _made(meta: _Bundle, frames: dict) -> dict[str, HookPayload]:
+    try:
+        return split_bundle(meta, frames)
+    except Exception as e:  # fail the step's requests' rows, with the reason
+        logger.exception("graphtap: splitting a shipped step's hook outputs")
+        failed = _failed(f"could not split a step's rows ({type(e).__name__}: {e})")
+        return dict.fromkeys(meta.requests, failed)
 
 
 def _failed(why: str) -> HookPayload:
