@@ -14,7 +14,9 @@ The qk steps are a burst's usual ones under chunked prefill: 9 decoding requests
 no rows beside 7 whole prefills, the first 217 prompt tokens of one request and the
 last 39 of another (k at every prompt position, q at the last, 4 layers x 4 heads), so
 not uniform (the chunk way); and, for comparison, 8 whole prefills (uniform: the
-direct seal)."""
+direct seal). test_busy_loop_beside_a_rows_message puts the output thread's whole part
+of a chunked step beside it: split and encoded, or shipped whole to be split in the
+frontend (courier/shipped.py) and encoded."""
 import threading
 
 import pytest
@@ -73,48 +75,19 @@ def sent(step: CaptureStep, ship: bool) -> list:
     return MsgpackEncoder().encode(EngineCoreOutputs(outputs=outputs))
 
 
-@pytest.mark.parametrize("ship", [False, True], ids=["split-sent", "shipped"])
-def test_busy_loop_beside_a_rows_message(benchmark, ship):
-    """The output thread's whole part of a chunked qk step: split and encoded, or
-    shipped whole (split in the frontend's process) and encoded."""
+def loop_beside(benchmark, work) -> list:
+    """Times busy_loop while another thread runs the job `work()` makes for each round
+    (None: nothing beside it); the last round's results."""
     def setup():
-        step = chunked_qk_step()
+        job = work()
         go, done = threading.Event(), []
 
-        def work():
+        def run_job():
             go.wait()
-            done.append(sent(step, ship))
+            if job is not None:
+                done.append(job())
 
-        thread = threading.Thread(target=work)
-        thread.start()
-        return (go, thread, done), {}
-
-    x = torch.zeros(64)
-
-    def run(go, thread, done):
-        go.set()
-        busy_loop(x)
-        thread.join()
-        return done
-
-    assert benchmark.pedantic(run, setup=setup, rounds=60)
-
-
-@pytest.mark.parametrize("beside", ["nothing", "qk-chunked", "qk-uniform8"])
-def test_busy_loop_beside_a_split(benchmark, beside):
-    from graphtap.courier import StepSnapshots
-
-    def setup():
-        step = None if beside == "nothing" else chunked_qk_step() \
-            if beside == "qk-chunked" else chunked_qk_step(whole=8, head=0, tail=0)
-        go, done = threading.Event(), []
-
-        def split():
-            go.wait()
-            if step is not None:
-                done.append(StepSnapshots([step])._per_request(None))
-
-        thread = threading.Thread(target=split)
+        thread = threading.Thread(target=run_job)
         thread.start()
         return (go, thread, done), {}
 
@@ -126,6 +99,31 @@ def test_busy_loop_beside_a_split(benchmark, beside):
         thread.join()  # done well before the loop (its splits take ~1.5 ms)
         return done
 
-    done = benchmark.pedantic(run, setup=setup, rounds=60)
+    return benchmark.pedantic(run, setup=setup, rounds=60)
+
+
+@pytest.mark.parametrize("ship", [False, True], ids=["split-sent", "shipped"])
+def test_busy_loop_beside_a_rows_message(benchmark, ship):
+    """The output thread's whole part of a chunked qk step: split and encoded, or
+    shipped whole (split in the frontend's process) and encoded."""
+    def work():
+        step = chunked_qk_step()
+        return lambda: sent(step, ship)
+
+    assert loop_beside(benchmark, work)
+
+
+@pytest.mark.parametrize("beside", ["nothing", "qk-chunked", "qk-uniform8"])
+def test_busy_loop_beside_a_split(benchmark, beside):
+    from graphtap.courier import StepSnapshots
+
+    def work():
+        if beside == "nothing":
+            return None
+        step = chunked_qk_step() if beside == "qk-chunked" else \
+            chunked_qk_step(whole=8, head=0, tail=0)
+        return lambda: StepSnapshots([step])._per_request(None)
+
+    done = loop_beside(benchmark, work)
     assert (len(done[0]) if done else 0) == {"nothing": 0, "qk-chunked": 9,
                                              "qk-uniform8": 8}[beside]
