@@ -111,12 +111,13 @@ def _pinned_stats() -> dict:
         h = torch.cuda.memory.host_memory_stats()
     except (AttributeError, RuntimeError):
         return {}
-    # owned bytes beside the count: a run's growth over its new blocks is their mean
-    # size (which sizes the warm-up missed: the first qk burst still grew the pool, s40)
+    # the bytes of the blocks created beside their count: a run's growth of one over the
+    # other is their mean size (which sizes the warm-up missed: the first qk burst
+    # still grew the pool, s40)
     return {"pinned": {"host_alloc_total": h.get("num_host_alloc", 0),
                        "host_alloc_us_total": h.get("host_alloc_time.total", 0),
-                       "bytes_peak": h.get("allocated_bytes.peak", 0),
-                       "owned_bytes": h.get("allocated_bytes.current", 0)}}
+                       "host_alloc_bytes_total": h.get("allocated_bytes.allocated", 0),
+                       "bytes_peak": h.get("allocated_bytes.peak", 0)}}
 
 
 class EngineHooks(HookManager):
