@@ -189,7 +189,12 @@ class ShippedRows:
             return sum(len(v) for v in self._waiting.values())
 
     def _split(self, payload: HookPayload) -> HookPayload:
-        meta = _BUNDLE.decode(memoryview(payload.inline)[len(BUNDLE):])
+        try:
+            meta = _BUNDLE.decode(memoryview(payload.inline)[len(BUNDLE):])
+        except msgspec.DecodeError as e:  # in the output handler, which must not die:
+            # the carrier's hooks fail here, the others' at their markers (never came)
+            logger.exception("graphtap: a shipped step's bundle that does not decode")
+            return _failed(f"could not read a step's shipped rows ({e})")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="graphtap-split")
         made = self._pool.submit(_made, meta, payload.frames)
