@@ -26,7 +26,6 @@ from itertools import count
 from typing import Callable
 
 import msgspec
-import torch
 from vllm.v1.outputs import HookPayload
 
 from graphtap.courier.chunks import ERROR, OverflowKind, error_tensor
