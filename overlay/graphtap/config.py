@@ -84,7 +84,9 @@ class HookConfig(BaseModel):
     sink) travels to the frontend whole, rows and labels, and is split there
     (courier/shipped.py), instead of on the engine core's output thread beside the busy
     loop, whose time it took (twice the split's own: GIL hand-overs). Only with one API
-    server: with several, a step's requests may belong to different frontends."""
+    server (with several, a step's requests may belong to different frontends) and a
+    worker in the engine core's process (a GPU engine without tensor parallelism; one
+    of its own splits a step as it sends it)."""
 
     pinned_warm_bytes: int = Field(128 * 2**20, ge=0)
     """Pinned host memory each GPU worker allocates and frees at start, in the
