@@ -18,20 +18,13 @@ step's output (LaterPayload.__reduce__). A step none of whose requests has an ou
 yet (every one mid-prefill) is made at the next step (Unsettled)."""
 from __future__ import annotations
 
-import logging
 import threading
 from contextlib import nullcontext
 from typing import Any, ClassVar
 
 from vllm.v1.outputs import HookPayload
 
-from graphtap.courier.chunks import ERROR, error_tensor
-from graphtap.courier.payload import seal
-from graphtap.courier.shipped import StepIds, bundle, marker, shippable
-
-logger = logging.getLogger(__name__)
-
-EMPTY = HookPayload()  # a request the split gave nothing (none is handed a payload so)
+from graphtap.courier.shipped import EMPTY, StepIds, bundle, failed_split, marker, shippable
 
 
 class LaterPayload(HookPayload, gc=True):
@@ -121,11 +114,7 @@ class DeferredSplit:
         try:
             return self._snapshots.split_now()
         except Exception as e:  # on the engine core's output thread: it must not die
-            logger.exception("graphtap: splitting a step's hook outputs")
-            failed = seal({ERROR: error_tensor(
-                f"hooks: graphtap could not split a step's rows ({type(e).__name__}: "
-                f"{e}); please report it")})
-            return {req: failed for req in self._requests}
+            return failed_split(self._requests, e)
 
 
 class Unsettled:

@@ -34,7 +34,7 @@ from graphtap.courier.payload import DTYPES, _NAMES, seal
 logger = logging.getLogger(__name__)
 
 BUNDLE, MARKER = b"\xc1gtB", b"\xc1gtM"
-EMPTY = HookPayload()  # what the split gave a request that got a marker: nothing
+EMPTY = HookPayload()  # a request the split gave nothing (none is handed a payload so)
 
 
 class _Format(msgspec.Struct, array_like=True, gc=False):
@@ -116,6 +116,10 @@ def is_shipped(payload: HookPayload) -> bool:
     return payload.inline[:1] == b"\xc1"
 
 
+def _is_bundle(payload: HookPayload) -> bool:
+    return payload.inline[:len(BUNDLE)] == BUNDLE
+
+
 def split_bundle(meta: _Bundle, frames: dict) -> dict[str, HookPayload]:
     """Each request's payload: the step's split as the engine would have made it
     (StepSnapshots.split_now), from a bundle's parts."""
@@ -156,9 +160,9 @@ class ShippedRows:
     def arrived(self, request_id: str, payloads: list[HookPayload]) -> list[HookPayload]:
         """A request's payloads of a rows message (HookFrontend.rows_arrived): a bundle
         becomes its marker, its split started for every request of its step."""
-        if not any(p.inline[:len(BUNDLE)] == BUNDLE for p in payloads):
+        if not any(map(_is_bundle, payloads)):
             return payloads
-        return [self._split(p) if p.inline[:len(BUNDLE)] == BUNDLE else p for p in payloads]
+        return [self._split(p) if _is_bundle(p) else p for p in payloads]
 
     def resolve(self, request_id: str, payloads: list[HookPayload]) -> list[HookPayload]:
         """A finished request's payloads with every marker replaced by its payload (its
@@ -207,10 +211,17 @@ class ShippedRows:
 def _made(meta: _Bundle, frames: dict) -> dict[str, HookPayload]:
     try:
         return split_bundle(meta, frames)
-    except Exception as e:  # fail the step's requests' rows, with the reason
-        logger.exception("graphtap: splitting a shipped step's hook outputs")
-        failed = _failed(f"could not split a step's rows ({type(e).__name__}: {e})")
-        return dict.fromkeys(meta.requests, failed)
+    except Exception as e:  # on the frontend's split thread
+        return failed_split(meta.requests, e)
+
+
+def failed_split(requests, e: Exception) -> dict[str, HookPayload]:
+    """What each request of a step whose split raised gets: the error, with the reason
+    (the split's thread, the engine core's output thread or the frontend's, must not
+    die of it)."""
+    logger.exception("graphtap: splitting a step's hook outputs")
+    failed = _failed(f"could not split a step's rows ({type(e).__name__}: {e})")
+    return dict.fromkeys(requests, failed)
 
 
 def _failed(why: str) -> HookPayload:
