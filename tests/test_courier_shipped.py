@@ -7,7 +7,8 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllm.v1.worker.gpu.hooks import settle_hook_rows, split_hook_rows
 
 from graphtap.courier import RowFormat, StepSnapshots
-from graphtap.courier.chunks import ERROR, error_message
+from graphtap.courier.chunks import ERROR, error_message, positions_key
+from graphtap.courier.pack import unpack
 from graphtap.courier.later import Unsettled
 from graphtap.courier.payload import open_payload
 from graphtap.courier.shipped import ShippedRows, is_shipped, shippable
@@ -80,8 +81,35 @@ def test_a_shipped_step_gives_each_request_what_the_engines_split_gave():
         assert shipped.waiting() == len(now)
         for req, payloads in kept.items():
             (got,) = shipped.resolve(req, payloads)
-            assert same(opened(got), opened(now[req])), req
+            assert same(unpack(opened(got)), unpack(opened(now[req]))), req
         assert shipped.waiting() == 0
+
+
+def test_the_finish_of_a_shipped_request_copies_nothing_on_the_output_handler():
+    """The split thread leaves each request's values unpacked, in storage of their own,
+    so the finish (assemble, on the output handler) keeps them as they are: before, they
+    were views of the whole step's buffer, and the finish copied each request's rows
+    out of it while every token of that message waited."""
+    from graphtap.courier import assemble, open_chunks
+
+    data = qk_step()
+    shipped = ShippedRows()
+    kept = frontend_side(through_vllm(deferred(data)), shipped)
+    now = local(data)
+    for req, payloads in kept.items():
+        (got,) = shipped.resolve(req, payloads)
+        assert got.frames and all(
+            t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            for t in got.frames.values()), req
+        out = assemble([c for c in open_chunks(got)])
+        assert out.keys() == {NAMES[1], NAMES[2]}
+        for name in out:  # the frames themselves, not copies of them
+            assert out[name].data_ptr() == got.frames[name].data_ptr(), (req, name)
+            assert out.positions[name].data_ptr() == \
+                got.frames[positions_key(name)].data_ptr(), (req, name)
+        expect = assemble([c for c in open_chunks(now[req])])
+        assert all(torch.equal(out[k], expect[k]) and
+                   torch.equal(out.positions[k], expect.positions[k]) for k in expect)
 
 
 def test_a_finishing_request_gets_a_marker_its_finish_resolves():
@@ -97,7 +125,7 @@ def test_a_finishing_request_gets_a_marker_its_finish_resolves():
     assert all(is_shipped(kept[r][0]) for r in ("r0", "r1", "r2"))
     for r in ("r0", "r1", "r2"):
         (got,) = shipped.resolve(r, kept[r])
-        assert same(opened(got), opened(now[r])), r
+        assert same(unpack(opened(got)), unpack(opened(now[r]))), r
     assert shipped.waiting() == 0
 
 

@@ -222,3 +222,34 @@ def test_deferred_split_of_a_mixed_qk_step(benchmark):
     out = benchmark.pedantic(lambda snap: snap.split_now(), rounds=100,
                              setup=lambda: ((StepSnapshots([mixed_qk_step()]),), {}))
     assert len(out) == 64 and all(out[f"r{r}"].frames for r in range(56, 64))
+
+
+def test_finish_of_shipped_qk_requests(benchmark):
+    """The frontend's finish (finish_outputs' resolve, open and assemble, on AsyncLLM's
+    output handler, where every token of the message waits for it) of the 8 requests
+    whose prefills a shipped qk step carried (mixed_qk_step: k at 256 positions, q at
+    the last, 1 MiB each), their step's split done on the split thread: as in a qk
+    burst, where 8 requests finish in the message that brings 8 others' first tokens."""
+    from graphtap.courier import StepSnapshots, assemble, open_chunks
+    from graphtap.courier.later import Unsettled
+    from graphtap.courier.shipped import ShippedRows
+    from test_courier_shipped import frontend_side, through_vllm
+
+    done = [f"r{r}" for r in range(56, 64)]
+
+    def setup():
+        later = StepSnapshots([mixed_qk_step()],
+                              unsettled=Unsettled(ship=True)).per_request(None)
+        shipped = ShippedRows()
+        kept = frontend_side(through_vllm(later), shipped)
+        for future in shipped._waiting[done[0]].values():
+            future.result()  # the split thread's part is done before the finish
+        return (shipped, kept), {}
+
+    def finish(shipped, kept):
+        return [assemble([c for p in shipped.resolve(r, kept[r]) for c in open_chunks(p)])
+                for r in done]
+
+    outs = benchmark.pedantic(finish, setup=setup, rounds=60)
+    assert all(o[f"blocks.{s}.attn.hook_k"].shape == (256, 4, 128) for o in outs
+               for s in (1, 3, 5, 7))

@@ -16,6 +16,7 @@ from graphtap.config import HookConfig
 from graphtap.courier import Saver, ShippedRows, assemble, holds_outputs, open_chunks
 from graphtap.log import get_logger
 from graphtap.outputs import HookOutputs
+from graphtap.profiling import HostClock
 from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
                            parse_spec)
 from graphtap.spec.limits import SizePlan
@@ -80,7 +81,10 @@ class GraphtapFrontend(HookFrontend):
         self._specs: OrderedDict[tuple[bytes, int], tuple[NormalisedSpec, SizePlan]] = \
             OrderedDict()
         self.saver = Saver(shape.save_root, shape.save_quota_bytes)
-        self.shipped = ShippedRows(self._capturing)  # steps shipped whole (courier/shipped.py)
+        # this frontend's host time: the output handler's rows_arrived and finish, the
+        # split thread's split (a token that waits in the output handler waits for them)
+        self.clock = HostClock()
+        self.shipped = ShippedRows(self._capturing, self.clock)  # courier/shipped.py
 
     @classmethod
     def for_engine(cls, vllm_config, config: HookConfig) -> "GraphtapFrontend":
@@ -241,6 +245,11 @@ class GraphtapFrontend(HookFrontend):
         with self._lock:
             return request_id in self._finish
 
+    def host_timeline(self) -> list[tuple[str, float, float]]:
+        """This frontend's phase calls since the last look (profiling.HostClock), on the
+        clock of vLLM's request timestamps (benchmarks/gpu/bench_tpot.py records them)."""
+        return self.clock.timeline()
+
     def rows_arrived(self, request_id: str, payloads):
         # a shipped step is split here, in the frontend's process, off the busy loop's
         return self.shipped.arrived(request_id, payloads)
@@ -252,6 +261,12 @@ class GraphtapFrontend(HookFrontend):
             spec, prompt_len, chunks_held = self._finish.pop(request_id, (None, 0, False))
         if spec is None and not chunks:
             return None  # a request without captures (vLLM asks for every request)
+        with self.clock.phase("finish"):
+            return self._finished(request_id, chunks, num_tokens, spec, prompt_len,
+                                  chunks_held)
+
+    def _finished(self, request_id, chunks, num_tokens, spec, prompt_len,
+                  chunks_held) -> HookOutputs:
         try:
             # probes hold their rows, and an engine may hold every chunk, on the worker
             # until the request may finish: the last send must cover its length

@@ -11,6 +11,7 @@ from graphtap.courier.chunks import (ERROR, HELD, OVERFLOW, Overflow, error_mess
 from graphtap.courier.guard import outcome
 from graphtap.courier.pack import unpack
 from graphtap.courier.patterns import unpack_patterns
+from graphtap.courier.payload import own
 from graphtap.outputs import HookOutputs
 
 
@@ -60,7 +61,7 @@ def assemble(chunks: list[dict[str, torch.Tensor]], guard=None, prompt_len: int 
             keep = torch.ones_like(pos, dtype=torch.bool)
             keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
             rows, pos = rows[keep], pos[keep]
-        out[name], out.positions[name] = _own(rows), _own(pos)
+        out[name], out.positions[name] = own(rows), own(pos)
     if guard is not None:
         rows = {k: v for name in guard.sources if name in out
                 for k, v in ((name, out[name]), (positions_key(name), out.positions[name]))}
@@ -68,12 +69,3 @@ def assemble(chunks: list[dict[str, torch.Tensor]], guard=None, prompt_len: int 
                      "action": "stop" if guard.stop else "annotate",
                      **outcome(guard, prompt_len, rows)}
     return out
-
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """t in storage of its own. A single-chunk capture can still be a view of a whole
-    step's rows (the worker splits steps into views; in-process engines pass them on
-    unserialised), which would keep that step alive as long as the caller keeps this."""
-    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return t.clone(memory_format=torch.contiguous_format)

@@ -126,3 +126,12 @@ def open_payload(payload: HookPayload) -> dict[str, torch.Tensor]:
     if payload.finish:
         out[FINISH] = torch.ones(1, dtype=torch.int8)
     return out
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """t in storage of its own. A single-chunk capture can still be a view of a whole
+    step's rows (the worker splits steps into views; in-process engines pass them on
+    unserialised), which would keep that step alive as long as the caller keeps this."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

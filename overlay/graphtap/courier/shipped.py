@@ -18,6 +18,7 @@ The frontend starts a bundle's split when it arrives (ShippedRows.arrived), on a
 of its own, and hands each request its payloads when it finishes."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -28,13 +29,15 @@ from typing import Callable
 import msgspec
 from vllm.v1.outputs import HookPayload
 
-from graphtap.courier.chunks import ERROR, OverflowKind, error_tensor
-from graphtap.courier.payload import DTYPES, _NAMES, seal
+from graphtap.courier.chunks import ERROR, FINISH, OverflowKind, error_tensor
+from graphtap.courier.pack import unpack
+from graphtap.courier.payload import DTYPES, _NAMES, open_chunks, own, seal
 
 logger = logging.getLogger(__name__)
 
 BUNDLE, MARKER = b"\xc1gtB", b"\xc1gtM"
 EMPTY = HookPayload()  # a request the split gave nothing (none is handed a payload so)
+_OFF = contextlib.nullcontext()
 
 
 class _Format(msgspec.Struct, array_like=True, gc=False):
@@ -149,8 +152,9 @@ class ShippedRows:
     split's result). A request's entries go when it finishes or is released
     (finished or aborted), so nothing stays behind."""
 
-    def __init__(self, live: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, live: Callable[[str], bool] | None = None, clock=None) -> None:
         self._lock = threading.Lock()
+        self.clock = clock  # the frontend's HostClock: the split thread's phase "split"
         self._waiting: dict[str, dict[str, Future]] = {}
         # whether a request may still finish here: a bundle may come after some of its
         # step's requests were aborted, and what it keeps for them would stay forever
@@ -192,6 +196,10 @@ class ShippedRows:
             return sum(len(v) for v in self._waiting.values())
 
     def _split(self, payload: HookPayload) -> HookPayload:
+        with self.clock.phase("arrived") if self.clock is not None else _OFF:
+            return self._start(payload)
+
+    def _start(self, payload: HookPayload) -> HookPayload:
         try:
             meta = _BUNDLE.decode(memoryview(payload.inline)[len(BUNDLE):])
         except msgspec.DecodeError as e:  # in the output handler, which must not die:
@@ -200,7 +208,7 @@ class ShippedRows:
             return _failed(f"could not read a step's shipped rows ({e})")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="graphtap-split")
-        made = self._pool.submit(_made, meta, payload.frames)
+        made = self._pool.submit(_made, meta, payload.frames, self.clock)
         with self._lock:
             for req in meta.requests:
                 if self._live is None or self._live(req):
@@ -208,11 +216,26 @@ class ShippedRows:
         return marker(meta.step)
 
 
-def _made(meta: _Bundle, frames: dict) -> dict[str, HookPayload]:
-    try:
-        return split_bundle(meta, frames)
-    except Exception as e:  # on the frontend's split thread
-        return failed_split(meta.requests, e)
+def _made(meta: _Bundle, frames: dict, clock=None) -> dict[str, HookPayload]:
+    with clock.phase("split") if clock is not None else _OFF:
+        try:
+            return {req: _owned(p) for req, p in split_bundle(meta, frames).items()}
+        except Exception as e:  # on the frontend's split thread
+            return failed_split(meta.requests, e)
+
+
+def _owned(payload: HookPayload) -> HookPayload:
+    """The payload opened here: its values unpacked per site, each in storage of its
+    own. The split leaves them views of one buffer of the whole step (or of the
+    message's bytes), which the request's outputs must not keep alive: the finish
+    (payload.own) copied each request's rows out of it, and unpacked and decoded
+    them, on the frontend's output handler, where every token of that message waited
+    (a qk request's 1 MiB, 8 of them finishing at once in a burst). Here, on the split's
+    thread, the copies hold no GIL; the finish then keeps the values as they are."""
+    chunks = open_chunks(payload)
+    if len(chunks) != 1 or FINISH in chunks[0]:  # one chunk a step, nothing held: kept
+        return payload
+    return HookPayload(frames={k: own(t) for k, t in unpack(chunks[0]).items()})
 
 
 def failed_split(requests, e: Exception) -> dict[str, HookPayload]:
