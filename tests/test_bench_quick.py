@@ -51,6 +51,11 @@ def test_bench_tpot_quick(variant, tmp_path, llama_path):
         assert set(window) == {r["mode"] for r in bursts}
         assert window["hs"]["ms"]["window"] > 0 and "outside_ms" in window["hs"]
         assert window["hs"]["ms"]["main"] > 0  # its admission and step ran in the window
+        # the frontend's phases (first_token.frontend_timeline): a capturing request's
+        # finish, once each
+        capturing = {"hs", "qk", "mixed", "dump"}
+        assert all(sum(c[0] == "finish" for c in r["frontend_timeline"]) ==
+                   (r["requests"] if r["mode"] in capturing else 0) for r in bursts)
     if variant == "graphtap":  # one traced burst per mode, not counted with the runs
         traces = {p.parent.name for p in (tmp_path / "traces").rglob("*.trace.json.gz")}
         assert traces == {"burst-idle", "burst-hs"}, traces

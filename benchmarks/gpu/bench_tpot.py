@@ -44,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.gpu.first_token import fetch_timeline, marks
+from benchmarks.gpu.first_token import fetch_timeline, frontend_timeline, marks
 from benchmarks.gpu.host_info import GcPauses, gpu_name, vllm_version
-from benchmarks.gpu.tpot_stats import engine_tpot_ms, summarise, ttft_phases
+from benchmarks.gpu.tpot_stats import engine_tpot_ms, report, summarise, ttft_phases
 from benchmarks.gpu.workloads import (ARCHS, count_rows, hook_config, link_probe, mode_hooks,
                                       mode_order, model_dir, sink_totals, steer_vector)
 
@@ -186,7 +186,8 @@ async def bench(args) -> dict:
     result = {"model": args.model, "variant": args.variant, "input_len": args.input_len,
               "output_len": args.output_len, "startup_s": startup, "runs": [],
               "host": platform.node(), "gpu": gpu_name(), "vllm": vllm_version(),
-              "split_in_frontend": not args.split_in_engine}
+              "split_in_frontend": not args.split_in_engine,
+              "switch_interval_ms": sys.getswitchinterval() * 1e3}
     out = Path(args.out) / f"tpot-{args.model}-{args.variant}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if "sink" in modes:  # the limits the sink is measured against, on this machine
@@ -221,8 +222,11 @@ async def bench(args) -> dict:
                                                      max(firsts, default=0.0))
                         if burst and calls is not None:
                             r["host_timeline"] = calls
+                        if burst and (calls := frontend_timeline(
+                                engine, r["start_monotonic"])) is not None:
+                            r["frontend_timeline"] = calls
                     result["runs"].append(r)
-                    print(json.dumps({k: v for k, v in r.items() if k != "host_timeline"}),
+                    print(json.dumps({k: v for k, v in r.items() if not k.endswith("_timeline")}),
                           flush=True)
                 write_result(result, out)
         for mode in [m for m in args.trace_modes.split(",") if m]:
@@ -293,43 +297,6 @@ def write_result(result: dict, out: Path, final: bool = False) -> dict:
     return result
 
 
-def report(results_dir: Path) -> str:
-    runs = {}
-    for f in sorted(results_dir.glob("tpot-*.json")):
-        if f.stem.endswith("-quick"):
-            continue
-        d = json.loads(f.read_text())
-        if "summary_tpot_ms" not in d:
-            summarise(d)
-        for mode, by_rate in d["summary_tpot_ms"].items():
-            runs[(d["model"], "stock" if d["variant"] == "stock" else f"graphtap {mode}")] = (by_rate, d)
-    columns = ["1", "4", "8", "16"] + sorted(
-        {k for by_rate, _ in runs.values() for k in by_rate if k.startswith("burst")},
-        key=lambda k: int(k[5:]))
-    heads = [f"{c} req/s" if not c.startswith("burst") else f"{c[5:]} at once" for c in columns]
-    lines = ["| model | variant | " + " | ".join(heads) + " |",
-             "|---|---|" + "---|" * len(columns)]
-    for (model, variant), (by_rate, d) in sorted(runs.items()):
-        base = runs.get((model, "stock"), (None,))[0]
-        cells = []
-        for rate in columns:
-            if rate not in by_rate:
-                cells.append("–")
-                continue
-            v = by_rate[rate]
-            if base and rate in base and variant != "stock":
-                cells.append(f"{v:.2f} ms ({(v / base[rate] - 1) * 100:+.2f} %)")
-            else:
-                cells.append(f"{v:.2f} ms")
-        lines.append(f"| {model} | {variant} | " + " | ".join(cells) + " |")
-    any_d = next(iter(runs.values()), (None, {}))[1]
-    md = (f"Median TPOT (median of repetitions; in brackets: vs stock, same model), "
-          f"{any_d.get('input_len')} in / {any_d.get('output_len')} out tokens, GPU: "
-          f"{any_d.get('gpu')}\n\n" + "\n".join(lines) + "\n")
-    (results_dir / "tpot.md").write_text(md)
-    return md
-
-
 def parser(doc: str = __doc__) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=[*ARCHS, "tiny"], default="llama3-8b")
@@ -351,6 +318,9 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
     ap.add_argument("--split-in-engine", action="store_true",
                     help="hook_config.split_in_frontend off: a deferred capture step is "
                          "split on the engine core's output thread, as before s40")
+    ap.add_argument("--switch-interval-ms", type=float, default=0,
+                    help="this process's (the frontend's) GIL switch interval, an "
+                         "experiment (default: Python's 5 ms)")
     ap.add_argument("--prefill-graphs", type=int, default=0, metavar="TOKENS",
                     help="steps of TOKENS tokens with CUDA graphs up to that size "
                          "(graph_sizes.py; default: vLLM's sizes, none above 128 tokens "
@@ -393,6 +363,8 @@ def main() -> int:
         print(report(Path(args.out)))
         return 0
     prepare(args)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     asyncio.run(bench(args))
     return 0
 

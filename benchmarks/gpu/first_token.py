@@ -41,6 +41,17 @@ async def fetch_timeline(engine, since: float, until: float = float("inf")) -> l
             if since <= start <= until]
 
 
+def frontend_timeline(engine, since: float) -> list | None:
+    """This process's graphtap frontend's phase calls since `since` (the output
+    handler's finish and arrived, the split thread's split: GraphtapFrontend.host_timeline),
+    None without one."""
+    hooks = getattr(getattr(engine, "input_processor", None), "hooks", None)
+    if not hasattr(hooks, "host_timeline"):
+        return None
+    return [[name, round(start, 6), round(ms, 4)] for name, start, ms in hooks.host_timeline()
+            if start >= since]
+
+
 def window(run: dict) -> dict | None:
     """Request 0's window (ms) and the ms of each top-level phase inside it, with their
     sum on the busy loop (`main`); per_request and split_later run on other threads."""

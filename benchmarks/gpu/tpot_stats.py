@@ -3,8 +3,10 @@ vs idle paired per request (shared by bench_tpot.py and capture_report.py), the 
 bursts by admission position, and a request's figures on the engine core's clock."""
 from __future__ import annotations
 
+import json
 import random
 import statistics
+from pathlib import Path
 
 import numpy as np
 
@@ -196,3 +198,40 @@ def _by_position(reps: dict[int, list], ref: dict[int, list]):
     where both have a figure."""
     return ((a, b) for rep, t in reps.items() if rep in ref
             for a, b in zip(t, ref[rep]) if a is not None and b is not None)
+
+
+def report(results_dir: Path) -> str:
+    runs = {}
+    for f in sorted(results_dir.glob("tpot-*.json")):
+        if f.stem.endswith("-quick"):
+            continue
+        d = json.loads(f.read_text())
+        if "summary_tpot_ms" not in d:
+            summarise(d)
+        for mode, by_rate in d["summary_tpot_ms"].items():
+            runs[(d["model"], "stock" if d["variant"] == "stock" else f"graphtap {mode}")] = (by_rate, d)
+    columns = ["1", "4", "8", "16"] + sorted(
+        {k for by_rate, _ in runs.values() for k in by_rate if k.startswith("burst")},
+        key=lambda k: int(k[5:]))
+    heads = [f"{c} req/s" if not c.startswith("burst") else f"{c[5:]} at once" for c in columns]
+    lines = ["| model | variant | " + " | ".join(heads) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for (model, variant), (by_rate, d) in sorted(runs.items()):
+        base = runs.get((model, "stock"), (None,))[0]
+        cells = []
+        for rate in columns:
+            if rate not in by_rate:
+                cells.append("–")
+                continue
+            v = by_rate[rate]
+            if base and rate in base and variant != "stock":
+                cells.append(f"{v:.2f} ms ({(v / base[rate] - 1) * 100:+.2f} %)")
+            else:
+                cells.append(f"{v:.2f} ms")
+        lines.append(f"| {model} | {variant} | " + " | ".join(cells) + " |")
+    any_d = next(iter(runs.values()), (None, {}))[1]
+    md = (f"Median TPOT (median of repetitions; in brackets: vs stock, same model), "
+          f"{any_d.get('input_len')} in / {any_d.get('output_len')} out tokens, GPU: "
+          f"{any_d.get('gpu')}\n\n" + "\n".join(lines) + "\n")
+    (results_dir / "tpot.md").write_text(md)
+    return md
