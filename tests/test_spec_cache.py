@@ -216,3 +216,30 @@ def test_a_spec_travels_as_one_bytes_value_and_arrives_whole():
     for forged in ({WIRE: params.hooks[WIRE]}, {WIRE: "eA=="}):
         with pytest.raises(ValueError, match=f"hooks.{WIRE}"):
             fe.process_request("f", _Params(forged), None, 5)
+
+
+def test_wire_specs_decode_each_spec_once_and_read_what_from_wire_reads():
+    """WireSpecs (the hook manager's and the frontend's): equal wire bytes, which a
+    burst's requests carry as bytes objects of their own after vLLM's socket, give the
+    spec decoded the first time; another spec its own; what from_wire refuses it
+    refuses; a large spec is decoded each time, and it keeps at most `size` specs."""
+    from graphtap.spec import EMPTY, NormalisedSpec, WireSpecs
+    from graphtap.spec.entries import WIRE
+
+    fe = GraphtapFrontend(SHAPE)
+    hs, _ = process(fe, CAPTURE)
+    qk, _ = process(fe, {"capture": [{"site": "blocks.1.hook_resid_post",
+                                      "positions": "prompt"}]})
+    specs = WireSpecs(size=2, max_bytes=1 << 10)
+    first = specs(hs)
+    assert first == NormalisedSpec.from_wire(hs)
+    assert specs({WIRE: bytes(bytearray(hs[WIRE]))}) is first  # equal bytes, not the same
+    assert specs(qk) == NormalisedSpec.from_wire(qk) != first
+    assert specs(None) is EMPTY and specs({}) is EMPTY
+    with pytest.raises(ValueError, match="hooks: the engine reads only"):
+        specs({"capture": []})
+    big = WireSpecs(max_bytes=4)
+    assert big(hs) == first and big(hs) is not big(hs)  # not kept: decoded each time
+    specs(process(fe, {"capture": [{"site": "blocks.1.hook_resid_post",
+                                    "positions": [0, 1]}]})[0])
+    assert len(specs._known) == 2 and specs(hs) is not first  # the oldest went

@@ -136,3 +136,24 @@ def test_engine_core_decode(benchmark, spec):
         return Request.from_engine_core_request(decoder.decode(frames), None)
 
     assert (benchmark(arrive).sampling_params.hooks is None) == (spec == "plain")
+
+
+@pytest.mark.parametrize("spec", ["plain", "hs", "qk"])
+def test_admit_request(benchmark, spec):
+    """The frontend's admission of a request the output processor adds (admit_request:
+    its spec read back from the wire form, the resident-vector and live-capture budgets
+    checked and taken), then its release, untimed; per request, on the API server's
+    event loop, which sends the burst's later requests meanwhile."""
+    from types import SimpleNamespace as NS
+
+    frontend = GraphtapFrontend(WIDE)
+    params = SamplingParams(max_tokens=8, hooks=bench_hooks(spec))
+    frontend.process_request("r", params, None, 256)
+    request = NS(request_id="r", sampling_params=params, prompt_token_ids=[0] * 256)
+
+    def released():
+        frontend.release_request("r")
+        return (request,), {}
+
+    benchmark.pedantic(frontend.admit_request, setup=released, rounds=2000)
+    assert frontend.stats()["requests_capturing"] == (spec != "plain")

@@ -17,8 +17,8 @@ from graphtap.courier import Saver, ShippedRows, assemble, holds_outputs, open_c
 from graphtap.log import get_logger
 from graphtap.outputs import HookOutputs
 from graphtap.profiling import HostClock
-from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, combined_salt, normalise,
-                           parse_spec)
+from graphtap.spec import (ModelShape, NormalisedSpec, VectorRegistry, WireSpecs, combined_salt,
+                           normalise, parse_spec)
 from graphtap.spec.limits import SizePlan
 from graphtap.support import model_heads, refuse_unsupported
 from graphtap.wire import encode
@@ -84,6 +84,7 @@ class GraphtapFrontend(HookFrontend):
         # this frontend's host time: the output handler's rows_arrived and finish, the
         # split thread's split (a token that waits in the output handler waits for them)
         self.clock = HostClock()
+        self.wire_specs = WireSpecs()  # admission reads back what _process wrote
         self.shipped = ShippedRows(self._capturing, self.clock)  # courier/shipped.py
 
     @classmethod
@@ -187,7 +188,7 @@ class GraphtapFrontend(HookFrontend):
 
     def admit_request(self, request) -> None:
         params = request.sampling_params
-        spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
+        spec = self.wire_specs(params.hooks if params is not None else None)
         keys = spec.vector_keys
         # N API server processes (or data-parallel frontends) feed one worker table: each
         # holds at most its share, so together they never overflow it.

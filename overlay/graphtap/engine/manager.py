@@ -35,7 +35,7 @@ from graphtap.engine.tables import Sizes, allocate
 from graphtap.log import get_logger
 from graphtap.ops.backend import select_backend
 from graphtap.profiling import HostClock, named
-from graphtap.spec.entries import NormalisedSpec
+from graphtap.spec.entries import WireSpecs
 from graphtap.spec.sites import PATTERN, RESID_KINDS
 from graphtap.support import model_heads, refuse_unsupported
 
@@ -172,6 +172,7 @@ class EngineHooks(HookManager):
         # them (patch 0008) arrives, so their values all travel inside the message.
         self._stops: set[str] = set()
         self.clock = HostClock()  # this engine's host time per phase (stats: "host")
+        self.wire_specs = WireSpecs()  # a burst's requests share a spec: decoded once
         # deferred splits no settle has made (courier/later.py), and whether they travel
         # whole to the frontend (one API server: its requests all go to it)
         self.unsettled = Unsettled(ship=self.config.split_in_frontend and getattr(
@@ -224,7 +225,7 @@ class EngineHooks(HookManager):
     def add_request(self, req_index, new_req_data) -> None:
         with self.clock.phase("add_request"):
             params = new_req_data.sampling_params
-            spec = NormalisedSpec.from_wire(params.hooks if params is not None else None)
+            spec = self.wire_specs(params.hooks if params is not None else None)
             for family in self.families:
                 family.add_request(req_index, new_req_data.req_id, new_req_data.prompt_len, spec)
             # what may finish it, where its rows or chunks are held until then (probes:

@@ -171,3 +171,27 @@ class NormalisedSpec(msgspec.Struct, frozen=True):
 EMPTY = NormalisedSpec()
 WIRE = "graphtap"  # the key of a spec's msgpack bytes in SamplingParams.hooks
 _DECODE = msgspec.msgpack.Decoder(NormalisedSpec).decode
+
+
+class WireSpecs:
+    """NormalisedSpec.from_wire remembered per wire bytes, for one owner (an engine's
+    hook manager, a frontend): a burst's requests carry one spec, and decoding it again
+    cost each of them a few us, on the engine core's busy loop before the step that
+    admits them and in the frontend's admission (benchmarks/cpu: test_admission_step,
+    test_admit_request). The bytes are the key: equal bytes decode to equal specs, which are
+    frozen, so one is shared."""
+
+    def __init__(self, size: int = 64, max_bytes: int = 16 << 10) -> None:
+        self._known: dict[bytes, NormalisedSpec] = {}
+        self._size, self._max_bytes = size, max_bytes
+
+    def __call__(self, raw) -> NormalisedSpec:
+        packed = raw.get(WIRE) if type(raw) is dict and len(raw) == 1 else None
+        if type(packed) is not bytes or len(packed) > self._max_bytes:
+            return NormalisedSpec.from_wire(raw)
+        spec = self._known.get(packed)
+        if spec is None:
+            spec = self._known[packed] = _DECODE(packed)
+            if len(self._known) > self._size:
+                self._known.pop(next(iter(self._known)), None)  # the oldest
+        return spec
