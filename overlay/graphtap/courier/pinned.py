@@ -19,7 +19,10 @@ from collections.abc import Callable
 import torch
 
 FLOOR = 512  # bytes: a step's count (a few hundred bytes) is the smallest copy home
-DEPTH = 4  # blocks per size: a step's copies in flight (deferred splits, the next steps)
+# blocks per size: a step's copies in flight (deferred and shipped steps, the next
+# steps). Four left the first qk burst growing the pool by 6 blocks (50 MiB in all, 17-20
+# ms) and the first hs burst by 13 small ones on an H100 (s40, s41)
+DEPTH = 8
 
 
 def buckets(max_bytes: int, floor: int = FLOOR) -> list[int]:
