@@ -155,6 +155,26 @@ def test_requests_of_one_prompt_length_share_their_wants_and_the_lengths_stay_bo
     assert set(capture_plan(a).shaped) == {33, 9}
 
 
+def test_a_plans_bitmaps_stay_within_their_bytes(monkeypatch):
+    """Each prompt length keeps one block of bitmaps, a row per entry (one slice write a
+    request); with a long max_model_len they are large, so a plan keeps at most
+    SHAPES_BYTES of them, and what it writes matches a family that keeps none."""
+    (a_tables, (a, _)), (b_tables, (b, _)) = families(True), families(False)
+    entries = (CaptureEntry(1, "resid_post", "blocks.1.hook_resid_post", "model", None,
+                            "last_prompt"),
+               CaptureEntry(0, "attn_q", "blocks.0.attn.hook_q", "model", (1,), Span(3, 40)))
+    a.add_request(0, "r0", 5, NormalisedSpec(capture=clone(entries)))
+    ((wanted, block),) = capture_plan(a).shaped.values()
+    assert block.shape == (2, a._pos.shape[2])
+    monkeypatch.setattr(rows, "SHAPES_BYTES", 2 * block.nbytes)
+    for n, prompt_len in enumerate([9, 13, 5, 33]):
+        for f in (a, b):
+            f.add_request(n % 4, f"r{n % 4}", prompt_len, NormalisedSpec(capture=clone(entries)))
+        np.testing.assert_array_equal(a_tables.slots.host, b_tables.slots.host)
+        assert len(capture_plan(a).shaped) <= 2
+    assert set(capture_plan(a).shaped) == {5, 33}
+
+
 def capture_plan(family) -> rows.EntryPlan:
     (plan,) = family._plans.values()
     return plan

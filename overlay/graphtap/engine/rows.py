@@ -28,6 +28,7 @@ from graphtap.spec.sites import SiteTable
 
 PLANS = 256  # EntryPlans a family remembers (distinct entries of recent requests)
 SHAPES = 64  # prompt lengths a plan remembers its Wants and bitmaps for
+SHAPES_BYTES = 4 << 20  # and at most this many bytes of bitmaps (a long max_model_len)
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -46,8 +47,8 @@ class EntryPlan(NamedTuple):
     formats: dict
     rules: list[tuple[object, int, list[int]]]
     # per prompt length: the request's Wants (read-only once made: requests share it)
-    # and each rule's (entries, bitmap), made once for the requests of that length
-    shaped: dict[int, tuple[Wants, list[tuple[object, np.ndarray]]]]
+    # and every entry's bitmap, [entries, words], made once for the requests of that length
+    shaped: dict[int, tuple[Wants, np.ndarray]]
     # what a subclass derives from the entries, made once (capture: the columns a row
     # spans, whether any entry reads heads)
     memo: dict
@@ -145,8 +146,7 @@ class RowFamily(FamilyBase):
         site, pos = self._site, self._pos
         site[slot, :len(plan.sites)] = plan.sites
         wanted, bitmaps = plan.shaped.get(prompt_len) or self._shape(plan, prompt_len)
-        for at, bitmap in bitmaps:
-            pos[slot, at] = bitmap
+        pos[slot, :len(bitmaps)] = bitmaps
         if self._writes_extra:
             for i, entry in enumerate(entries):
                 self.write_extra(slot, i, entry)
@@ -171,12 +171,14 @@ class RowFamily(FamilyBase):
 
     def _shape(self, plan: EntryPlan, prompt_len: int):
         """The plan's Wants and bitmaps for a prompt length (EntryPlan.shaped)."""
-        wanted, bitmaps, words = Wants(self.max_len), [], self._pos.shape[2]
+        wanted = Wants(self.max_len)
+        # one block of the entries' rows: a slot's write is then one assignment of a
+        # slice (per rule, a list index cost 1.6 us a rule, each request: qk has two)
+        bitmaps = np.empty((len(plan.sites), self._pos.shape[2]), self._pos.dtype)
         for rule, per_token, at in plan.rules:
-            bitmap = runs_bitmap(wanted.add(rule, prompt_len, per_token), words)
-            # entries mostly share one rule: one assignment of a slice
-            bitmaps.append((slice(0, len(at)) if len(at) == len(plan.sites) else at, bitmap))
-        if len(plan.shaped) >= SHAPES:
+            bitmaps[at] = runs_bitmap(wanted.add(rule, prompt_len, per_token), bitmaps.shape[1])
+        while plan.shaped and (len(plan.shaped) >= SHAPES or
+                               (len(plan.shaped) + 1) * bitmaps.nbytes > SHAPES_BYTES):
             del plan.shaped[next(iter(plan.shaped))]  # the oldest length
         plan.shaped[prompt_len] = (wanted, bitmaps)
         return wanted, bitmaps
