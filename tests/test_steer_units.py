@@ -378,3 +378,37 @@ def test_a_full_vector_bank_refuses_the_request_not_the_engine():
     family.add_request(0, "r3", 4, spec(3))  # a row is free again
     et.slots.apply()
     assert family.snapshot() is None and (et.ops.steer.site[0] >= 0).any()
+
+
+def test_a_steering_slots_positions_are_its_rules_for_its_prompt_whatever_came_before(
+        monkeypatch):
+    """SteerFamily remembers a bitmap per (position rule, prompt length), a burst's
+    requests sharing one: each slot still gets its own rule's bitmap for its own prompt
+    length, as position_bitmap makes it, and the family keeps at most BITMAPS."""
+    from graphtap.engine.families import steer as steer_module
+    from graphtap.engine.families.steer import SteerFamily
+    from graphtap.engine.families.vectors import VectorBank
+    from graphtap.spec.positions import position_bitmap
+    from graphtap.spec.sites import Site, SiteTable
+
+    monkeypatch.setattr(steer_module, "BITMAPS", 3)
+    et = engine_tables(max_reqs=R, max_tokens=N, max_steers=E, max_vectors=4, hidden=H,
+                       max_len=L)
+    family = SteerFamily(et, SiteTable([Site(1, "resid_post")]), VectorBank(et.ops.steer))
+    vec = [0.5] * H
+
+    def spec(positions):
+        return normalise(parse_spec({"steer": [{"site": "blocks.1.hook_resid_post",
+                                                "op": "add", "vector": vec,
+                                                "positions": positions}]}), BANK_SHAPE)
+
+    words = et.ops.steer.pos.shape[-1]
+    for n, (positions, prompt_len) in enumerate(
+            [("all", 4), ("all", 4), ("prompt", 4), ("all", 7), ([1, 2], 4), ("all", 4)]):
+        s = spec(positions)
+        family.add_request(n % R, f"r{n}", prompt_len, s)
+        et.slots.apply()
+        want = position_bitmap(s.steer[0].positions, prompt_len, L, words)
+        np.testing.assert_array_equal(et.ops.steer.pos[n % R, 0].numpy(), want)
+        family.remove_request(f"r{n}")
+        assert len(family._bitmaps) <= 3

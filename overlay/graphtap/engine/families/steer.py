@@ -14,6 +14,8 @@ from graphtap.spec.entries import ConditionEntry, NormalisedSpec
 from graphtap.spec.positions import position_bitmap
 from graphtap.spec.sites import SiteTable
 
+BITMAPS = 256  # (position rule, prompt length) bitmaps a family remembers
+
 
 class SteerFamily(FamilyBase):
     """Per-request edits of the residual stream."""
@@ -25,6 +27,9 @@ class SteerFamily(FamilyBase):
         self.slots, self.fields = tables.slots, tables.steer
         self.sites = sites
         self.bank = bank  # the engine's resident vectors (probes share them)
+        # a burst's requests share a rule and a prompt length: one bitmap each, made once
+        # (made per request, it was a third of a steering request's admission)
+        self._bitmaps: dict[tuple, object] = {}
         self._keys: dict[str, list[str]] = {}  # req_id -> vector keys it holds
         self._refused: dict[str, str] = {}  # req_id -> why, until the next step reports it
         self._slot_of: dict[str, int] = {}
@@ -57,13 +62,24 @@ class SteerFamily(FamilyBase):
             site[i] = self.sites.id_of(s.layer, s.kind)
             vec[i] = rows[i]
             coef[i] = (s.a, s.lo, s.hi, s.g)
-            pos[i] = position_bitmap(s.positions, prompt_len, self.t.max_len, pos.shape[1])
+            pos[i] = self._bitmap(s.positions, prompt_len, pos.shape[1])
             if s.condition is not None:
                 self._write_condition(slot, i, s.condition, next(cond_rows), prompt_len)
         self._keys[req_id] = [key for key, _ in wanted]
         self._slot_of[req_id] = slot
         if any(s.kind == "attn_z" for s in spec.steer):
             self._heads.add(req_id)
+
+    def _bitmap(self, rule, prompt_len: int, words: int):
+        key = (rule, prompt_len)
+        bitmap = self._bitmaps.get(key)
+        if bitmap is None:
+            bitmap = self._bitmaps[key] = position_bitmap(rule, prompt_len, self.t.max_len,
+                                                          words)
+            bitmap.flags.writeable = False  # shared by the requests that ask it
+            if len(self._bitmaps) > BITMAPS:
+                del self._bitmaps[next(iter(self._bitmaps))]  # the oldest
+        return bitmap
 
     def _write_condition(self, slot: int, i: int, c: ConditionEntry, row: int,
                          prompt_len: int) -> None:
