@@ -81,8 +81,9 @@ class GraphtapFrontend(HookFrontend):
         self._specs: OrderedDict[tuple[bytes, int], tuple[NormalisedSpec, SizePlan]] = \
             OrderedDict()
         self.saver = Saver(shape.save_root, shape.save_quota_bytes)
-        # this frontend's host time: the output handler's rows_arrived and finish, the
-        # split thread's split (a token that waits in the output handler waits for them)
+        # this frontend's host time: on the output handler a capturing request's finish
+        # and a shipped step's arrival (arrived), on the split thread its split (a token
+        # that waits in the output handler waits for the first two)
         self.clock = HostClock()
         self.wire_specs = WireSpecs()  # admission reads back what _process wrote
         self.shipped = ShippedRows(self._capturing, self.clock)  # courier/shipped.py

@@ -5,6 +5,8 @@ decoding need nothing here. A conditional steer's gate is decided by the op itse
 the condition's site; here it is only cleared, with the rest of a refilled slot."""
 from __future__ import annotations
 
+import numpy as np
+
 from graphtap.courier import RequestErrors
 from graphtap.engine.families.vectors import BankFull, VectorBank
 from graphtap.engine.family import FamilyBase
@@ -29,7 +31,7 @@ class SteerFamily(FamilyBase):
         self.bank = bank  # the engine's resident vectors (probes share them)
         # a burst's requests share a rule and a prompt length: one bitmap each, made once
         # (made per request, it was a third of a steering request's admission)
-        self._bitmaps: dict[tuple, object] = {}
+        self._bitmaps: dict[tuple, np.ndarray] = {}
         self._keys: dict[str, list[str]] = {}  # req_id -> vector keys it holds
         self._refused: dict[str, str] = {}  # req_id -> why, until the next step reports it
         self._slot_of: dict[str, int] = {}
