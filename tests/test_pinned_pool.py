@@ -51,7 +51,7 @@ def test_every_block_is_held_at_once_then_freed():
 def test_budget_option_is_checked():
     from graphtap.config import load_hook_config
 
-    assert load_hook_config({}).pinned_warm_bytes == 256 * 2**20
+    assert load_hook_config({}).pinned_warm_bytes == 128 * 2**20
     assert load_hook_config({"pinned_warm_bytes": 0}).pinned_warm_bytes == 0
     with pytest.raises(ValueError, match="pinned_warm_bytes"):
         load_hook_config({"pinned_warm_bytes": -1})
@@ -59,7 +59,7 @@ def test_budget_option_is_checked():
 
 def test_default_budget_reaches_a_qk_prefill_steps_copy():
     """8 requests x 256 k rows x 4 layers x 4 heads x 128 bf16 values: 8 MiB, in a
-    16 MiB block, DEPTH of them."""
+    16 MiB block, four of them."""
     from graphtap.config import load_hook_config
 
     plan = warm_plan(1 << 30, load_hook_config({}).pinned_warm_bytes)

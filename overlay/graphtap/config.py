@@ -88,9 +88,9 @@ class HookConfig(BaseModel):
     worker in the engine core's process (a GPU engine without tensor parallelism; one
     of its own splits a step as it sends it)."""
 
-    pinned_warm_bytes: int = Field(256 * 2**20, ge=0)
+    pinned_warm_bytes: int = Field(128 * 2**20, ge=0)
     """Pinned host memory each GPU worker allocates and frees at start, in the
-    power-of-two blocks its steps' copies home will ask torch's pinned pool for (eight of
+    power-of-two blocks its steps' copies home will ask torch's pinned pool for (four of
     each size, smallest first, up to the capture buffer's size or as far as this goes:
     the default reaches 16 MiB blocks, a prefill step's k rows of 8 x 256 tokens at 4
     layers; courier/pinned.py), so that a capture step does not allocate pinned memory

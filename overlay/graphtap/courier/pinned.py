@@ -11,7 +11,15 @@ calls of 1.3-10.3 ms each, the first hs burst one 2.1-2.3 ms collect, and later 
 2-3 ms call now and then, where a larger step or one more block in flight than before
 needed one (a device trace put a cudaHostAlloc of 2.9 ms inside such a to_cpu).
 Allocating and freeing the blocks once at start leaves them in the pool's free lists,
-so those steps find them there."""
+so those steps find them there.
+
+It does not hold yet: on the H100 (s40, s41) the first qk burst still created 6 blocks
+(50 MiB in all, 17-25 ms) and the first hs burst 13 small ones, the same with eight
+blocks of each size warmed as with four. The likely cause: torch.cuda.graph empties the
+host cache as it enters (torch._C._host_emptyCache, torch/cuda/graphs.py), and vLLM
+captures its graphs after the hook manager warmed the pool. The fix belongs after the
+capture (a slot the runner calls then, or copies home into pinned memory graphtap
+reserves itself, as the sink's staging does)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,10 +27,7 @@ from collections.abc import Callable
 import torch
 
 FLOOR = 512  # bytes: a step's count (a few hundred bytes) is the smallest copy home
-# blocks per size: a step's copies in flight (deferred and shipped steps, the next
-# steps). Four left the first qk burst growing the pool by 6 blocks (50 MiB in all, 17-20
-# ms) and the first hs burst by 13 small ones on an H100 (s40, s41)
-DEPTH = 8
+DEPTH = 4  # blocks per size: a step's copies in flight (deferred splits, the next steps)
 
 
 def buckets(max_bytes: int, floor: int = FLOOR) -> list[int]:
