@@ -37,6 +37,11 @@ async def fetch_timeline(engine, since: float, until: float = float("inf")) -> l
         calls = (await engine.collective_rpc("graphtap_host_timeline"))[0]
     except Exception:  # a stock engine, or an older overlay
         return None
+    return _between(calls, since, until)
+
+
+def _between(calls, since: float, until: float = float("inf")) -> list:
+    """HostClock.timeline's calls that started between `since` and `until`, rounded."""
     return [[name, round(start, 6), round(ms, 4)] for name, start, ms in calls
             if since <= start <= until]
 
@@ -48,8 +53,7 @@ def frontend_timeline(engine, since: float) -> list | None:
     hooks = getattr(getattr(engine, "input_processor", None), "hooks", None)
     if not hasattr(hooks, "host_timeline"):
         return None
-    return [[name, round(start, 6), round(ms, 4)] for name, start, ms in hooks.host_timeline()
-            if start >= since]
+    return _between(hooks.host_timeline(), since)
 
 
 def window(run: dict) -> dict | None:

@@ -18,7 +18,6 @@ The frontend starts a bundle's split when it arrives (ShippedRows.arrived), on a
 of its own, and hands each request its payloads when it finishes."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -32,12 +31,12 @@ from vllm.v1.outputs import HookPayload
 from graphtap.courier.chunks import ERROR, FINISH, OverflowKind, error_tensor
 from graphtap.courier.pack import unpack
 from graphtap.courier.payload import DTYPES, _NAMES, open_chunks, own, seal
+from graphtap.profiling import HostClock
 
 logger = logging.getLogger(__name__)
 
 BUNDLE, MARKER = b"\xc1gtB", b"\xc1gtM"
 EMPTY = HookPayload()  # a request the split gave nothing (none is handed a payload so)
-_OFF = contextlib.nullcontext()
 
 
 class _Format(msgspec.Struct, array_like=True, gc=False):
@@ -152,9 +151,11 @@ class ShippedRows:
     split's result). A request's entries go when it finishes or is released
     (finished or aborted), so nothing stays behind."""
 
-    def __init__(self, live: Callable[[str], bool] | None = None, clock=None) -> None:
+    def __init__(self, live: Callable[[str], bool] | None = None,
+                 clock: HostClock | None = None) -> None:
         self._lock = threading.Lock()
-        self.clock = clock  # the frontend's HostClock: the split thread's phase "split"
+        # the frontend's: the output handler's phase "arrived", the split thread's "split"
+        self.clock = clock if clock is not None else HostClock()
         self._waiting: dict[str, dict[str, Future]] = {}
         # whether a request may still finish here: a bundle may come after some of its
         # step's requests were aborted, and what it keeps for them would stay forever
@@ -196,28 +197,25 @@ class ShippedRows:
             return sum(len(v) for v in self._waiting.values())
 
     def _split(self, payload: HookPayload) -> HookPayload:
-        with self.clock.phase("arrived") if self.clock is not None else _OFF:
-            return self._start(payload)
-
-    def _start(self, payload: HookPayload) -> HookPayload:
-        try:
-            meta = _BUNDLE.decode(memoryview(payload.inline)[len(BUNDLE):])
-        except msgspec.DecodeError as e:  # in the output handler, which must not die:
-            # the carrier's hooks fail here, the others' at their markers (never came)
-            logger.exception("graphtap: a shipped step's bundle that does not decode")
-            return _failed(f"could not read a step's shipped rows ({e})")
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="graphtap-split")
-        made = self._pool.submit(_made, meta, payload.frames, self.clock)
-        with self._lock:
-            for req in meta.requests:
-                if self._live is None or self._live(req):
-                    self._waiting.setdefault(req, {})[meta.step] = made
-        return marker(meta.step)
+        with self.clock.phase("arrived"):
+            try:
+                meta = _BUNDLE.decode(memoryview(payload.inline)[len(BUNDLE):])
+            except msgspec.DecodeError as e:  # in the output handler, which must not die:
+                # the carrier's hooks fail here, the others' at their markers (never came)
+                logger.exception("graphtap: a shipped step's bundle that does not decode")
+                return _failed(f"could not read a step's shipped rows ({e})")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="graphtap-split")
+            made = self._pool.submit(_made, meta, payload.frames, self.clock)
+            with self._lock:
+                for req in meta.requests:
+                    if self._live is None or self._live(req):
+                        self._waiting.setdefault(req, {})[meta.step] = made
+            return marker(meta.step)
 
 
-def _made(meta: _Bundle, frames: dict, clock=None) -> dict[str, HookPayload]:
-    with clock.phase("split") if clock is not None else _OFF:
+def _made(meta: _Bundle, frames: dict, clock: HostClock) -> dict[str, HookPayload]:
+    with clock.phase("split"):
         try:
             return {req: _owned(p) for req, p in split_bundle(meta, frames).items()}
         except Exception as e:  # on the frontend's split thread
