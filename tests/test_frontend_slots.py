@@ -58,3 +58,101 @@ def test_each_engine_finishes_its_requests_with_its_own_frontend():
     a.add_request(engine_request("gone"), None)
     a.abort_requests(["gone"], internal=True)
     assert hooked.calls[-2:] == [("admit", "gone"), ("release", "gone")]
+
+
+def _shape():
+    from graphtap.spec import ModelShape
+
+    return ModelShape(num_layers=2, hidden_size=8, max_model_len=64,
+                      configured_sites={"blocks.1.hook_resid_post"}, max_steers=1,
+                      max_vectors=2, max_captures=2, num_heads=2, num_kv_heads=2,
+                      save_root=None)
+
+
+def test_a_messages_other_tokens_reach_their_consumers_before_a_capturing_finish():
+    """AsyncLLM's own output handler (patch 0008: HookFrontend.output_slices), fed one
+    message by a stand-in engine core: a capturing request finishes in it (its finish
+    assembles its hook outputs on the handler) beside a plain request's token, as the
+    first requests of a burst finish in the message that brings the last ones their
+    first token. The plain request's consumer has its token before that finish runs;
+    the capturing one still gets its outputs, whole."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    from graphtap.courier.payload import seal
+    from graphtap.frontend import GraphtapFrontend
+
+    site = "blocks.1.hook_resid_post"
+    events = []
+
+    class Frontend(GraphtapFrontend):
+        def finish_outputs(self, request_id, chunks, num_tokens=0):
+            events.append(("finish", request_id))
+            return super().finish_outputs(request_id, chunks, num_tokens)
+
+    frontend = Frontend(_shape())
+    proc = OutputProcessor(None, log_stats=False, hooks=frontend)
+    queues = {}
+    for rid, hooks in (("captures", {"capture": [{"site": site}]}), ("plain", None),
+                       ("goes-on", None)):
+        request = engine_request(rid, max_tokens=1 if rid != "goes-on" else 4)
+        params = request.sampling_params
+        params.hooks = hooks
+        request.cache_salt = frontend.process_request(rid, params, None, prompt_len=3)
+        queues[rid] = RequestOutputCollector(params.output_kind, rid)
+        proc.add_request(request, None, queue=queues[rid])
+    rows = seal({site: torch.ones(3, 8), f"{site}@positions": torch.arange(3)})
+    message = EngineCoreOutputs(outputs=[  # the scheduler's order: the finish first
+        EngineCoreOutput(request_id="captures", new_token_ids=[7], hook_outputs=[rows],
+                         finish_reason=FinishReason.LENGTH),
+        EngineCoreOutput(request_id="plain", new_token_ids=[8],
+                         finish_reason=FinishReason.LENGTH),
+        EngineCoreOutput(request_id="goes-on", new_token_ids=[9])])
+
+    class Core:  # the engine core client: one message, then nothing
+        def __init__(self):
+            self.sent = False
+
+        async def get_output_async(self):
+            if self.sent:
+                await asyncio.Event().wait()
+            self.sent = True
+            return message
+
+        def shutdown(self, timeout=None):
+            pass
+
+    async def consume(rid):
+        out = await queues[rid].get()
+        events.append(("token", rid))
+        return out
+
+    async def main():
+        llm = AsyncLLM.__new__(AsyncLLM)
+        llm.output_handler, llm.engine_core, llm.output_processor = None, Core(), proc
+        llm.log_stats, llm.logger_manager = False, None
+        llm.renderer = SimpleNamespace(mm_processor_cache=None, shutdown=lambda: None)
+        consumers = [asyncio.create_task(consume(r)) for r in queues]
+        await asyncio.sleep(0)  # each consumer waits on its queue
+        llm._run_output_handler()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*consumers), 10)
+        finally:
+            llm.output_handler.cancel()
+
+    # the slices: the capturing finish last, on its own; without one, vLLM's own
+    assert frontend.output_slices(message.outputs, 2) == \
+        [message.outputs[1:], message.outputs[:1]]
+    assert frontend.output_slices(message.outputs[1:], 2) == [message.outputs[1:]]
+    assert frontend.output_slices(message.outputs[:1], 2) == [message.outputs[:1]]
+    outs = asyncio.run(main())
+    assert events.index(("token", "plain")) < events.index(("finish", "captures"))
+    assert events.index(("token", "goes-on")) < events.index(("finish", "captures"))
+    captured = outs[0].hooks
+    assert captured.error is None and torch.equal(captured[site], torch.ones(3, 8))
+    assert [o.outputs[0].token_ids for o in outs] == [[7], [8], [9]]

@@ -256,6 +256,22 @@ class GraphtapFrontend(HookFrontend):
         # a shipped step is split here, in the frontend's process, off the busy loop's
         return self.shipped.arrived(request_id, payloads)
 
+    def output_slices(self, outputs, chunk_size: int):
+        # A capturing request's finish assembles its outputs on AsyncLLM's output
+        # handler, and every other output of its message waited for it: in a burst the
+        # first requests finish in the message that brings the last ones their first
+        # token (benchmarks/cpu/test_bench_delivery.py). They go last, in slices of
+        # their own, and the handler lets the others' consumers run in between.
+        finishing = self._finish  # read without the lock: membership is atomic
+        now, last = [], []
+        if finishing:
+            for o in outputs:
+                slow = o.finish_reason is not None and o.request_id in finishing
+                (last if slow else now).append(o)
+        if not last or not now:
+            return super().output_slices(outputs, chunk_size)
+        return super().output_slices(now, chunk_size) + super().output_slices(last, chunk_size)
+
     def finish_outputs(self, request_id: str, chunks, num_tokens: int = 0) -> HookOutputs | None:
         # Runs in AsyncLLM's output handler, where an exception stops the API server:
         # whatever goes wrong fails this request's hooks only, with the reason.
