@@ -64,3 +64,27 @@ def test_default_budget_reaches_a_qk_prefill_steps_copy():
 
     plan = warm_plan(1 << 30, load_hook_config({}).pinned_warm_bytes)
     assert plan[-1] == 16 * 2**20 >= 8 * 256 * 4 * 4 * 128 * 2
+
+
+def test_the_pool_is_warmed_again_once_vllm_has_captured_its_graphs():
+    """torch.cuda.graph empties torch's pinned host cache as each capture begins, and
+    Model Runner V2 captures its graphs after the hook manager's init (its warm-up):
+    the runner calls HookManager.after_capture once they are captured (patch 0003),
+    where graphtap's manager warms the pool again. On the CPU there is no pool to warm."""
+    import inspect
+
+    from vllm.v1.worker.gpu.hooks import NO_OP_HOOKS
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    source = inspect.getsource(GPUModelRunner.capture_model)
+    assert source.index("self.cudagraph_manager.capture(") < \
+        source.index("self.hooks.after_capture()") < source.index("return cuda_graph_size")
+    NO_OP_HOOKS.after_capture()  # stock vLLM's manager: nothing
+
+    from graphtap.testing.hook_manager import cpu_hook_manager
+
+    manager, _ = cpu_hook_manager(["blocks.0.hook_resid_post"], layers=2, hidden=8, heads=2,
+                                  kv_heads=2, head_dim=4, max_len=64, max_num_seqs=4,
+                                  batched_tokens=32)
+    manager.after_capture()
+    assert manager._warm_pinned() == 0

@@ -89,7 +89,8 @@ class HookConfig(BaseModel):
     of its own splits a step as it sends it)."""
 
     pinned_warm_bytes: int = Field(128 * 2**20, ge=0)
-    """Pinned host memory each GPU worker allocates and frees at start, in the
+    """Pinned host memory each GPU worker allocates and frees at start (and again after
+    CUDA-graph capture, which empties torch's pool), in the
     power-of-two blocks its steps' copies home will ask torch's pinned pool for (four of
     each size, smallest first, up to the capture buffer's size or as far as this goes:
     the default reaches 16 MiB blocks, a prefill step's k rows of 8 x 256 tokens at 4

@@ -13,13 +13,12 @@ needed one (a device trace put a cudaHostAlloc of 2.9 ms inside such a to_cpu).
 Allocating and freeing the blocks once at start leaves them in the pool's free lists,
 so those steps find them there.
 
-It does not hold yet: on the H100 (s40, s41) the first qk burst still created 6 blocks
-(50 MiB in all, 17-25 ms) and the first hs burst 13 small ones, the same with eight
-blocks of each size warmed as with four. The likely cause: torch.cuda.graph empties the
-host cache as it enters (torch._C._host_emptyCache, torch/cuda/graphs.py), and vLLM
-captures its graphs after the hook manager warmed the pool. The fix belongs after the
-capture (a slot the runner calls then, or copies home into pinned memory graphtap
-reserves itself, as the sink's staging does)."""
+The warm-up at init alone did not hold: on the H100 (s40, s41) the first qk burst still
+created 6 blocks (50 MiB in all, 17-25 ms) and the first hs burst 13 small ones, the
+same with eight blocks of each size warmed as with four. torch.cuda.graph empties the
+host cache as each capture begins (torch._C._host_emptyCache, torch/cuda/graphs.py),
+and vLLM captures its graphs after the hook manager's init; so the manager warms the
+pool again once vLLM has captured them (HookManager.after_capture, patch 0003)."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -179,11 +179,8 @@ class EngineHooks(HookManager):
             vllm_config.parallel_config, "_api_process_count", 1) == 1)
         self.hold = HeldChunks(self.config.hold_outputs_bytes) \
             if self.config.hold_outputs_bytes > 0 else None
-        warmed = 0
-        if device.type == "cuda" and self.config.pinned_warm_bytes:
-            warmed = warm_pinned_pool(max(f.host_copy_bytes() for f in self.families
-                                          if isinstance(f, RowFamily)),
-                                      self.config.pinned_warm_bytes)
+        self._device = device
+        warmed = self._warm_pinned()  # an engine without CUDA graphs starts from this
         logger.info("graphtap: %d hook sites, families %s, %s ops, tables %.1f MiB, "
                     "pinned pool warmed %.1f MiB", len(self.sites),
                     [f.name for f in self.families], backend.name,
@@ -300,6 +297,22 @@ class EngineHooks(HookManager):
         self.router.deactivate()
         for family in self.families:
             family.deactivate()
+
+    def after_capture(self) -> None:
+        # torch.cuda.graph emptied the pool init warmed, once per graph vLLM captured
+        warmed = self._warm_pinned()
+        if warmed:
+            logger.info("graphtap: pinned pool warmed again after graph capture, %.1f MiB",
+                        warmed / 2**20)
+
+    def _warm_pinned(self) -> int:
+        """Fills torch's pinned pool with the blocks a step's copies home ask for
+        (courier/pinned.py); the bytes warmed, 0 where there is none to fill."""
+        if self._device.type != "cuda" or not self.config.pinned_warm_bytes:
+            return 0
+        return warm_pinned_pool(max(f.host_copy_bytes() for f in self.families
+                                    if isinstance(f, RowFamily)),
+                                self.config.pinned_warm_bytes)
 
     def sink_sync(self) -> dict | None:
         """The sink's index once every row handed to it is on disk (None: this worker
