@@ -18,7 +18,8 @@ created 6 blocks (50 MiB in all, 17-25 ms) and the first hs burst 13 small ones,
 same with eight blocks of each size warmed as with four. torch.cuda.graph empties the
 host cache as each capture begins (torch._C._host_emptyCache, torch/cuda/graphs.py),
 and vLLM captures its graphs after the hook manager's init; so the manager warms the
-pool again once vLLM has captured them (HookManager.after_capture, patch 0003)."""
+pool again once vLLM has captured them (HookManager.after_capture, patch 0003). On the
+H100 (s42 c, d) the first qk burst then created no block, the first hs burst 2 small ones."""
 from __future__ import annotations
 
 from collections.abc import Callable
