@@ -77,15 +77,13 @@ def test_a_messages_other_tokens_reach_their_consumers_before_a_capturing_finish
     first token. The plain request's consumer has its token before that finish runs;
     the capturing one still gets its outputs, whole."""
     import asyncio
-    from types import SimpleNamespace
 
-    from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreOutputs
-    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
     from graphtap.courier.payload import seal
     from graphtap.frontend import GraphtapFrontend
+    from graphtap.testing.output_handler import start_output_handler
 
     site = "blocks.1.hook_resid_post"
     events = []
@@ -114,32 +112,15 @@ def test_a_messages_other_tokens_reach_their_consumers_before_a_capturing_finish
                          finish_reason=FinishReason.LENGTH),
         EngineCoreOutput(request_id="goes-on", new_token_ids=[9])])
 
-    class Core:  # the engine core client: one message, then nothing
-        def __init__(self):
-            self.sent = False
-
-        async def get_output_async(self):
-            if self.sent:
-                await asyncio.Event().wait()
-            self.sent = True
-            return message
-
-        def shutdown(self, timeout=None):
-            pass
-
     async def consume(rid):
         out = await queues[rid].get()
         events.append(("token", rid))
         return out
 
     async def main():
-        llm = AsyncLLM.__new__(AsyncLLM)
-        llm.output_handler, llm.engine_core, llm.output_processor = None, Core(), proc
-        llm.log_stats, llm.logger_manager = False, None
-        llm.renderer = SimpleNamespace(mm_processor_cache=None, shutdown=lambda: None)
         consumers = [asyncio.create_task(consume(r)) for r in queues]
         await asyncio.sleep(0)  # each consumer waits on its queue
-        llm._run_output_handler()
+        llm = start_output_handler(proc, [message])
         try:
             return await asyncio.wait_for(asyncio.gather(*consumers), 10)
         finally:

@@ -253,3 +253,86 @@ def test_finish_of_shipped_qk_requests(benchmark):
     outs = benchmark.pedantic(finish, setup=setup, rounds=60)
     assert all(o[f"blocks.{s}.attn.hook_k"].shape == (256, 4, 128) for o in outs
                for s in (1, 3, 5, 7))
+
+
+@pytest.mark.parametrize("slices", ["finishes-last", "vllm-chunks"])
+def test_tokens_beside_qk_finishes(benchmark, slices):
+    """What a message's tokens wait for in AsyncLLM's own output handler
+    (graphtap.testing.output_handler) when 8 qk requests finish in it, as a burst's first
+    8 finish in the message that brings its last 8 their first token: their finishes
+    assemble each one's shipped prefill rows (mixed_qk_step, 1 MiB a request), beside
+    56 plain requests' tokens. Timed: the whole message; extra_info `tokens_ms`: until
+    the last of the 56 tokens reached its consumer. finishes-last: graphtap's
+    output_slices (patch 0008); vllm-chunks: vLLM's own slices, one of 64, as before."""
+    import asyncio
+    import statistics
+
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+    from vllm.v1.worker.gpu.hooks import HookFrontend
+
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.later import Unsettled
+    from graphtap.frontend import GraphtapFrontend
+    from graphtap.spec import ModelShape
+    from graphtap.testing.output_handler import start_output_handler
+    from helpers import engine_request
+    from test_courier_shipped import frontend_side, through_vllm
+
+    class Chunks(GraphtapFrontend):  # the control: vLLM's chunks, finishes in place
+        output_slices = HookFrontend.output_slices
+
+    shape = ModelShape(num_layers=8, hidden_size=4096, max_model_len=2048,
+                       configured_sites={"blocks.1.attn.hook_k"}, max_steers=1,
+                       max_vectors=2, max_captures=16, num_heads=32, num_kv_heads=8,
+                       head_dim=128, save_root=None)
+    spec = {"capture": [{"site": "blocks.1.attn.hook_k", "positions": "prompt"}]}
+    done = [f"r{r}" for r in range(56, 64)]
+    waited = []
+
+    def setup():
+        frontend = (GraphtapFrontend if slices == "finishes-last" else Chunks)(shape)
+        proc = OutputProcessor(None, log_stats=False, hooks=frontend)
+        queues = {}
+        for r in range(64):
+            request = engine_request(f"r{r}", max_tokens=1 if r >= 56 else 8)
+            params = request.sampling_params
+            params.hooks = spec if r >= 56 else None
+            frontend.process_request(request.request_id, params, None, prompt_len=3)
+            queues[request.request_id] = RequestOutputCollector(params.output_kind,
+                                                                request.request_id)
+            proc.add_request(request, None, queue=queues[request.request_id])
+        later = StepSnapshots([mixed_qk_step()],
+                              unsettled=Unsettled(ship=True)).per_request(None)
+        kept = frontend_side(through_vllm(later), frontend.shipped)
+        for future in frontend.shipped._waiting[done[0]].values():
+            future.result()  # the split thread's part is done before the message
+        message = EngineCoreOutputs(outputs=[
+            EngineCoreOutput(request_id=r, new_token_ids=[5], hook_outputs=kept[r],
+                             finish_reason=FinishReason.LENGTH) for r in done] + [
+            EngineCoreOutput(request_id=f"r{r}", new_token_ids=[5]) for r in range(56)])
+        return (proc, queues, message), {}
+
+    def run(proc, queues, message):
+        async def consume(rid):
+            await queues[rid].get()
+            return time.perf_counter()
+
+        async def main():
+            tokens = [asyncio.create_task(consume(f"r{r}")) for r in range(56)]
+            finishes = [asyncio.create_task(queues[r].get()) for r in done]
+            await asyncio.sleep(0)
+            t0 = time.perf_counter()
+            llm = start_output_handler(proc, [message])
+            got = await asyncio.gather(*tokens)
+            outs = await asyncio.gather(*finishes)
+            llm.output_handler.cancel()
+            waited.append((max(got) - t0) * 1e3)
+            return outs
+
+        return asyncio.run(main())
+
+    outs = benchmark.pedantic(run, setup=setup, rounds=40)
+    benchmark.extra_info["tokens_ms"] = round(statistics.median(waited), 3)
+    assert all(o.hooks.error is None and o.hooks["blocks.1.attn.hook_k"].shape ==
+               (256, 4, 128) for o in outs)
