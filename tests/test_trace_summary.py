@@ -32,3 +32,30 @@ def test_summary_of_a_trace(tmp_path, capsys):
     assert "graphtap-like kernels: 0.020 ms (1 launches)" in out
     assert "device busy 0.62 ms" in out and "0.42:1580" in out  # 1420 -> 3000
     assert "cudaHostAlloc 1x 1.20 ms" in out and "graphtap.to_cpu 1.30" in out
+
+
+def test_ops_inside_graphtaps_ranges(tmp_path, capsys):
+    """--ops-in: the torch ops and runtime calls that ran inside each graphtap range of
+    the window, on the range's thread (the same thread's calls outside it, and another
+    thread's inside its span, are not counted)."""
+    range_ = {"ph": "X", "cat": "user_annotation", "name": "graphtap.collect", "ts": 1000,
+              "dur": 500, "tid": 1}
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 900, "dur": 300}, range_,
+              {"ph": "X", "cat": "cpu_op", "name": "aten::clone", "ts": 1100, "dur": 40,
+               "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::clone", "ts": 1200, "dur": 60,
+               "tid": 1},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 1300,
+               "dur": 10, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1300, "dur": 10,
+               "tid": 2},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mul", "ts": 1600, "dur": 10,
+               "tid": 1}]
+    path = tmp_path / "t.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summarise(str(path), window_ms=5, top=5, min_gap_us=100, ops_in="graphtap.")
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("   inside")][0]
+    assert "inside graphtap.collect: 1 calls, 0.500 ms" in line
+    assert "aten::clone 2x 0.100" in line and "cudaMemcpyAsync 1x 0.010" in line
+    assert "aten::add" not in line and "aten::mul" not in line

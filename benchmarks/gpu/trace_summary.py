@@ -10,6 +10,7 @@ sync), and the host's CUDA runtime calls in that window by name.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 from collections import Counter, defaultdict
@@ -42,7 +43,8 @@ def busy_and_gaps(kernels: list[tuple[float, float]], lo: float, hi: float,
     return busy, gaps
 
 
-def summarise(path: str, window_ms: float, top: int, min_gap_us: float) -> None:
+def summarise(path: str, window_ms: float, top: int, min_gap_us: float,
+              ops_in: str = "") -> None:
     ev = [e for e in events(path) if e.get("ph") == "X"]
     kernels = [e for e in ev if e.get("cat") == "kernel"]
     print(f"== {path}: {len(kernels)} kernels")
@@ -85,6 +87,31 @@ def summarise(path: str, window_ms: float, top: int, min_gap_us: float) -> None:
         marks[e["name"][:60]] += e.get("dur", 0)
     print("   annotations in the window (ms): " + ", ".join(
         f"{n} {us / 1e3:.2f}" for n, us in marks.most_common(12)))
+    if ops_in:
+        ops_inside(ev, [e for e in notes if e["name"].startswith(ops_in)], top)
+
+
+def ops_inside(ev: list[dict], ranges: list[dict], top: int) -> None:
+    """Per range name (graphtap's profiler ranges: prepare_step, collect, to_cpu, ...),
+    the torch ops and CUDA runtime calls that started inside its calls in the window,
+    by total time (nested ops count within their parents too): which calls make a
+    hooked step's host time."""
+    calls = sorted((e for e in ev if e.get("cat") in ("cpu_op", "cuda_runtime")),
+                   key=lambda e: e["ts"])
+    starts = [e["ts"] for e in calls]
+    for name in sorted({r["name"] for r in ranges}):
+        mine = [r for r in ranges if r["name"] == name]
+        inside: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for r in mine:
+            lo, hi = r["ts"], r["ts"] + r.get("dur", 0)
+            for e in calls[bisect.bisect_left(starts, lo):bisect.bisect_left(starts, hi)]:
+                if e.get("tid") == r.get("tid"):
+                    inside[e["name"][:60]][0] += 1
+                    inside[e["name"][:60]][1] += e.get("dur", 0)
+        total = sum(r.get("dur", 0) for r in mine)
+        print(f"   inside {name}: {len(mine)} calls, {total / 1e3:.3f} ms; " + ", ".join(
+            f"{n} {c}x {us / 1e3:.3f}" for n, (c, us) in
+            sorted(inside.items(), key=lambda x: -x[1][1])[:top]))
 
 
 def main() -> None:
@@ -93,9 +120,11 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=40.0, help="ms from the first kernel")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--min-gap", type=float, default=100.0, help="us")
+    ap.add_argument("--ops-in", default="",
+                    help="ranges whose name starts so (graphtap.): the ops inside them")
     args = ap.parse_args()
     for path in args.traces:
-        summarise(path, args.window, args.top, args.min_gap)
+        summarise(path, args.window, args.top, args.min_gap, args.ops_in)
 
 
 if __name__ == "__main__":
