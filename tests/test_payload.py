@@ -115,3 +115,23 @@ def test_sealing_makes_no_reshape_or_view_per_value():
     dispatched = [c for c in calls.seen if c in ("view", "reshape", "contiguous", "flatten")]
     assert dispatched == ["view"] * 4
     assert same(open_payload(sealed), chunk)
+
+
+def test_own_keeps_a_view_within_its_requests_values_and_copies_one_of_more():
+    """payload.own: a request's values may share storage among themselves (a step's
+    pack of its sites, unpacked into views: a copy each cost the frontend's split
+    thread two thirds of its time on a qk step), never a larger one (a whole step's
+    rows: the request would keep them alive)."""
+    from graphtap.courier.payload import own
+
+    pack = torch.arange(12.0).view(6, 2)  # one request's pack: 3 sites of 2 rows
+    site = pack[2:4]
+    assert own(site, within=pack.nbytes) is site  # within the request's values: kept
+    copied = own(site)  # no allowance: its own storage
+    assert copied.data_ptr() != site.data_ptr() and torch.equal(copied, site)
+    assert copied.untyped_storage().nbytes() == site.nbytes
+    step = torch.zeros(100, 2)  # a whole step's rows
+    view = own(step[4:6], within=pack.nbytes)
+    assert view.untyped_storage().nbytes() == view.nbytes  # copied out of the step
+    column = own(pack[:, 0], within=pack.nbytes)  # not contiguous: copied whatever
+    assert column.is_contiguous() and torch.equal(column, pack[:, 0])

@@ -336,3 +336,25 @@ def test_tokens_beside_qk_finishes(benchmark, slices):
     benchmark.extra_info["tokens_ms"] = round(statistics.median(waited), 3)
     assert all(o.hooks.error is None and o.hooks["blocks.1.attn.hook_k"].shape ==
                (256, 4, 128) for o in outs)
+
+
+def test_split_of_a_shipped_qk_step(benchmark):
+    """The frontend's split thread's work on a qk burst's usual step shipped whole
+    (mixed_qk_step: 8 prefills beside 56 decodes): the step split per request, each
+    request's payload opened and its values kept in storage of its own or of its own
+    pack (courier/shipped.py: _made). The thread holds the GIL between torch calls,
+    beside the output handler and the admission of the burst's later requests."""
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.later import Unsettled
+    from graphtap.courier.shipped import _BUNDLE, BUNDLE, _made
+    from graphtap.profiling import HostClock
+    from test_courier_shipped import through_vllm
+
+    later = StepSnapshots([mixed_qk_step()], unsettled=Unsettled(ship=True)).per_request(None)
+    rows = through_vllm(later)[1]
+    carried = next(p for o in rows.outputs for p in o.hook_outputs
+                   if p.inline[:len(BUNDLE)] == BUNDLE)
+    meta = _BUNDLE.decode(memoryview(carried.inline)[len(BUNDLE):])
+    out = benchmark.pedantic(_made, args=(meta, carried.frames, HostClock()), rounds=40,
+                             warmup_rounds=3)
+    assert len(out) == 64 and all(out[f"r{r}"].frames for r in range(64))

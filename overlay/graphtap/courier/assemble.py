@@ -11,7 +11,7 @@ from graphtap.courier.chunks import (ERROR, HELD, OVERFLOW, Overflow, error_mess
 from graphtap.courier.guard import outcome
 from graphtap.courier.pack import unpack
 from graphtap.courier.patterns import unpack_patterns
-from graphtap.courier.payload import own
+from graphtap.courier.payload import own, owns
 from graphtap.outputs import HookOutputs
 
 
@@ -44,6 +44,7 @@ def assemble(chunks: list[dict[str, torch.Tensor]], guard=None, prompt_len: int 
                 f"the worker came home through position {came - 1} of {held_through - 1}, "
                 f"and its outputs were withheld rather than returned incomplete"))
     out = HookOutputs()
+    within = 0  # the request's values' bytes, which views may share (payload.own)
     for key in merged:
         if (name := ragged_name(key)) is not None:
             pos = merged[positions_key(name)]
@@ -61,7 +62,9 @@ def assemble(chunks: list[dict[str, torch.Tensor]], guard=None, prompt_len: int 
             keep = torch.ones_like(pos, dtype=torch.bool)
             keep[:-1] = pos[1:] != pos[:-1]  # the last of equal positions wins
             rows, pos = rows[keep], pos[keep]
-        out[name], out.positions[name] = own(rows), own(pos)
+        if not within and not (owns(rows) and owns(pos)):  # summed only where needed
+            within = sum(t.nbytes for t in merged.values())
+        out[name], out.positions[name] = own(rows, within), own(pos, within)
     if guard is not None:
         rows = {k: v for name in guard.sources if name in out
                 for k, v in ((name, out[name]), (positions_key(name), out.positions[name]))}

@@ -128,10 +128,20 @@ def open_payload(payload: HookPayload) -> dict[str, torch.Tensor]:
     return out
 
 
-def own(t: torch.Tensor) -> torch.Tensor:
-    """t in storage of its own. A single-chunk capture can still be a view of a whole
-    step's rows (the worker splits steps into views; in-process engines pass them on
-    unserialised), which would keep that step alive as long as the caller keeps this."""
-    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
+def own(t: torch.Tensor, within: int = 0) -> torch.Tensor:
+    """t in storage of its own, or in one of at most `within` bytes: a request's values
+    together, which may share storage among themselves (a step's pack of its sites) but
+    never keep alive more than as much again. A single-chunk capture can still be a
+    view of a whole step's rows (the worker splits steps into views; in-process engines
+    pass them on unserialised), which would keep that step alive as long as the caller
+    keeps this."""
+    if t.is_contiguous():
+        nbytes = t.untyped_storage().nbytes()
+        if nbytes == t.numel() * t.element_size() or nbytes <= within:
+            return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def owns(t: torch.Tensor) -> bool:
+    """Whether t is contiguous in storage of exactly its own size (own copies nothing)."""
+    return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
