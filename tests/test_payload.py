@@ -119,9 +119,9 @@ def test_sealing_makes_no_reshape_or_view_per_value():
 
 def test_own_keeps_a_view_within_its_requests_values_and_copies_one_of_more():
     """payload.own: a request's values may share storage among themselves (a step's
-    pack of its sites, unpacked into views: a copy each cost the frontend's split
-    thread two thirds of its time on a qk step), never a larger one (a whole step's
-    rows: the request would keep them alive)."""
+    pack of its sites, unpacked into views: the frontend's split thread copied each,
+    about 1000 copies a qk step), never a larger one (a whole step's rows: the request
+    would keep them alive)."""
     from graphtap.courier.payload import own
 
     pack = torch.arange(12.0).view(6, 2)  # one request's pack: 3 sites of 2 rows

@@ -135,10 +135,8 @@ def own(t: torch.Tensor, within: int = 0) -> torch.Tensor:
     view of a whole step's rows (the worker splits steps into views; in-process engines
     pass them on unserialised), which would keep that step alive as long as the caller
     keeps this."""
-    if t.is_contiguous():
-        nbytes = t.untyped_storage().nbytes()
-        if nbytes == t.numel() * t.element_size() or nbytes <= within:
-            return t
+    if owns(t) or (t.is_contiguous() and t.untyped_storage().nbytes() <= within):
+        return t
     return t.clone(memory_format=torch.contiguous_format)
 
 

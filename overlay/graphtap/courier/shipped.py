@@ -235,7 +235,7 @@ def _owned(payload: HookPayload) -> HookPayload:
         return payload
     values = unpack(chunks[0])
     # a decoding request's few rows a site stay views of its own small pack: a copy
-    # each (1000 a qk step) was two thirds of the split thread's time
+    # each was about 1000 copies a qk step (benchmarks/cpu/test_bench_delivery.py)
     within = sum(t.nbytes for t in values.values())
     return HookPayload(frames={k: own(t, within) for k, t in values.items()})
 
