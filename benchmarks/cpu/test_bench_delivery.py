@@ -224,27 +224,39 @@ def test_deferred_split_of_a_mixed_qk_step(benchmark):
     assert len(out) == 64 and all(out[f"r{r}"].frames for r in range(56, 64))
 
 
+def shipped_mixed_qk(shipped=None):
+    """mixed_qk_step deferred and shipped whole (ShippedRows of the frontend, or a new
+    one): the messages vLLM's output thread sends of it, decoded; with `shipped`, each
+    request's payloads as the output processor keeps them, their step's split done on
+    the split thread (as it is before a later step's finish)."""
+    from graphtap.courier import StepSnapshots
+    from graphtap.courier.later import Unsettled
+    from test_courier_shipped import frontend_side, through_vllm
+
+    later = StepSnapshots([mixed_qk_step()], unsettled=Unsettled(ship=True)).per_request(None)
+    messages = through_vllm(later)
+    if shipped is None:
+        return messages
+    kept = frontend_side(messages, shipped)
+    for future in shipped._waiting["r56"].values():  # a prefill: every step's split
+        future.result()
+    return kept
+
+
 def test_finish_of_shipped_qk_requests(benchmark):
     """The frontend's finish (finish_outputs' resolve, open and assemble, on AsyncLLM's
     output handler, where every token of the message waits for it) of the 8 requests
     whose prefills a shipped qk step carried (mixed_qk_step: k at 256 positions, q at
     the last, 1 MiB each), their step's split done on the split thread: as in a qk
     burst, where 8 requests finish in the message that brings 8 others' first tokens."""
-    from graphtap.courier import StepSnapshots, assemble, open_chunks
-    from graphtap.courier.later import Unsettled
+    from graphtap.courier import assemble, open_chunks
     from graphtap.courier.shipped import ShippedRows
-    from test_courier_shipped import frontend_side, through_vllm
 
     done = [f"r{r}" for r in range(56, 64)]
 
     def setup():
-        later = StepSnapshots([mixed_qk_step()],
-                              unsettled=Unsettled(ship=True)).per_request(None)
         shipped = ShippedRows()
-        kept = frontend_side(through_vllm(later), shipped)
-        for future in shipped._waiting[done[0]].values():
-            future.result()  # the split thread's part is done before the finish
-        return (shipped, kept), {}
+        return (shipped, shipped_mixed_qk(shipped)), {}
 
     def finish(shipped, kept):
         return [assemble([c for p in shipped.resolve(r, kept[r]) for c in open_chunks(p)])
@@ -271,13 +283,10 @@ def test_tokens_beside_qk_finishes(benchmark, slices):
     from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
     from vllm.v1.worker.gpu.hooks import HookFrontend
 
-    from graphtap.courier import StepSnapshots
-    from graphtap.courier.later import Unsettled
     from graphtap.frontend import GraphtapFrontend
     from graphtap.spec import ModelShape
     from graphtap.testing.output_handler import start_output_handler
     from helpers import engine_request
-    from test_courier_shipped import frontend_side, through_vllm
 
     class Chunks(GraphtapFrontend):  # the control: vLLM's chunks, finishes in place
         output_slices = HookFrontend.output_slices
@@ -302,11 +311,7 @@ def test_tokens_beside_qk_finishes(benchmark, slices):
             queues[request.request_id] = RequestOutputCollector(params.output_kind,
                                                                 request.request_id)
             proc.add_request(request, None, queue=queues[request.request_id])
-        later = StepSnapshots([mixed_qk_step()],
-                              unsettled=Unsettled(ship=True)).per_request(None)
-        kept = frontend_side(through_vllm(later), frontend.shipped)
-        for future in frontend.shipped._waiting[done[0]].values():
-            future.result()  # the split thread's part is done before the message
+        kept = shipped_mixed_qk(frontend.shipped)
         message = EngineCoreOutputs(outputs=[
             EngineCoreOutput(request_id=r, new_token_ids=[5], hook_outputs=kept[r],
                              finish_reason=FinishReason.LENGTH) for r in done] + [
@@ -344,16 +349,11 @@ def test_split_of_a_shipped_qk_step(benchmark):
     request's payload opened and its values kept in storage of its own or of its own
     pack (courier/shipped.py: _made). The thread holds the GIL between torch calls,
     beside the output handler and the admission of the burst's later requests."""
-    from graphtap.courier import StepSnapshots
-    from graphtap.courier.later import Unsettled
-    from graphtap.courier.shipped import _BUNDLE, BUNDLE, _made
+    from graphtap.courier.shipped import _BUNDLE, BUNDLE, _is_bundle, _made
     from graphtap.profiling import HostClock
-    from test_courier_shipped import through_vllm
 
-    later = StepSnapshots([mixed_qk_step()], unsettled=Unsettled(ship=True)).per_request(None)
-    rows = through_vllm(later)[1]
-    carried = next(p for o in rows.outputs for p in o.hook_outputs
-                   if p.inline[:len(BUNDLE)] == BUNDLE)
+    rows = shipped_mixed_qk()[1]
+    carried = next(p for o in rows.outputs for p in o.hook_outputs if _is_bundle(p))
     meta = _BUNDLE.decode(memoryview(carried.inline)[len(BUNDLE):])
     out = benchmark.pedantic(_made, args=(meta, carried.frames, HostClock()), rounds=40,
                              warmup_rounds=3)
