@@ -189,3 +189,32 @@ def test_a_worker_of_its_own_process_sends_the_payloads_made():
                                      protocol=pickle.HIGHEST_PROTOCOL))
     assert sent.keys() == now.keys() and all(type(p) is HookPayload for p in sent.values())
     assert all(same(opened(sent[r]), opened(now[r])) for r in now)
+
+
+class CopyEvent:
+    """A stand-in for the event after a large step's rows reached the host on their own
+    stream (LabelledStep._rows_to_cpu on a GPU): counts the waits for it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+def test_a_deferred_step_leaves_its_tokens_before_its_rows_are_home():
+    """On a GPU a large step's rows go home on a stream of their own, after vLLM's copy
+    event (so the step's sampled tokens no longer wait for them): what per_request does
+    before the step's tokens leave (the deferral, its requests and bytes, from the
+    count) must not wait for the rows; the split, made later, waits for them once, and
+    settles to what the split made before."""
+    step = qk_step()
+    snaps = snapshots(step)
+    part, event = snaps.parts[0], CopyEvent()
+    part._ready = event  # the rows' copy still queued
+    later = snaps.per_request(None)
+    assert event.waits == 0 and all(isinstance(p, LaterPayload) for p in later.values())
+    now = snapshots(step)._per_request(None)
+    for req, p in later.items():
+        assert same(opened(p.settle()), opened(now[req])), req
+    assert event.waits == 1 and part._ready is None  # once, at the split's first read

@@ -91,7 +91,7 @@ def test_step_split_per_request_matches_a_row_by_row_reference(labels, small_row
     result may view the step's buffer (it would pin it)."""
     import numpy as np
 
-    from graphtap.courier.snapshot import grouped_in_order
+    from graphtap.courier.groups import grouped_in_order
 
     width, hd = 16, 2  # buffer row width; attention sites: 4 heads x 2 = 8 columns
     names = {0: "blocks.0.hook_resid_post", 1: "blocks.0.attn.hook_k", 2: "blocks.1.attn.hook_v"}
@@ -187,7 +187,7 @@ def test_grouped_in_order_against_brute_force(columns):
     sorted inside by the remaining columns (position; position then head)."""
     import numpy as np
 
-    from graphtap.courier.snapshot import grouped_in_order
+    from graphtap.courier.groups import grouped_in_order
 
     rng = np.random.default_rng(1)
     order = tuple(range(columns))

@@ -5,7 +5,9 @@ also while the device runs behind the host by as many steps as the ring has buff
 (a sleep kernel first: the engine's async scheduling, at its worst). The router routes
 as the torch router does, also where one graph replays the tokens' and a family's rows,
 and a small step's snapshot (host copies queued on the main stream) holds the step's
-rows whatever the next step writes. Runs on the CPU too (Triton's interpreter, no
+rows whatever the next step writes; a large step's rows, which go home on a stream of
+their own after vLLM's copy event, are the step's when read right after that event.
+Runs on the CPU too (Triton's interpreter, no
 pinning), as tests/test_route_staged.py's CPU check of the same script.
 
     bash benchmarks/gpu/run_gpu.sh stagecheck   (after the bundle's install)
@@ -20,6 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from graphtap.courier.snapshot import SLOT_COLUMN
 from graphtap.engine.router import TokenRouter
 from graphtap.engine.slots import SlotBlock, SlotLayout
 from graphtap.engine.tables import Sizes, allocate
@@ -182,12 +185,84 @@ def check_snapshots(rounds: int = 20, seed: int = 0) -> int:
     return bad
 
 
+def check_rows_stream(rounds: int = 20, hidden: int = 4096) -> tuple[int, int]:
+    """(bad steps, steps whose tokens' copy event came before their rows were home): a
+    large step's rows (2 sites x TOKENS positions of `hidden` floats, 8 MiB) go home on
+    the family's own stream while its labels and count ride a stand-in for vLLM's
+    output copy stream, the device lagging and the next step overwriting the buffers at
+    once; read right after the copy event, without a device sync, rows, labels and
+    count must be the step's (LabelledStep.rows waits for the rows' own event)."""
+    from graphtap.engine.families.capture import CaptureFamily
+    from graphtap.spec import CaptureEntry, NormalisedSpec
+    from graphtap.spec.sites import SiteTable, expand_patterns
+
+    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 2))
+    sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=len(sites),
+                  hidden=hidden, steer_width=hidden, dtype=torch.float32, max_steers=1,
+                  max_vectors=2, max_captures=2, capture_rows=2 * TOKENS,
+                  capture_width=hidden, pattern_rows=8, num_heads=2, patterns=False)
+    et = allocate(sizes, TORCH, DEV)
+    family = CaptureFamily(et.ops.capture, et.capture, et.slots,
+                           widths={"resid_post": (hidden, 0)}, backend=TORCH, sites=sites,
+                           max_len=512, model_dtype=torch.float32)
+    router = TokenRouter(et.ops, staging_depth=DEPTH)
+    copy_stream = torch.cuda.Stream() if DEV.type == "cuda" else None
+    spec = NormalisedSpec(capture=tuple(
+        CaptureEntry(layer, "resid_post", f"blocks.{layer}.hook_resid_post", "model", None,
+                     "all") for layer in (0, 1)))
+    reqs, each = SLOTS // 2, TOKENS // (SLOTS // 2)
+    qsl = np.arange(0, TOKENS + 1, each, dtype=np.int32)
+    slots = np.arange(reqs, dtype=np.int32)
+    b = SimpleNamespace(
+        req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=TOKENS,
+        num_tokens_after_padding=TOKENS, query_start_loc_np=qsl,
+        query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
+        idx_mapping=torch.from_numpy(slots).to(DEV),
+        num_computed_tokens_np=np.zeros(reqs, np.int32),
+        num_scheduled_tokens=np.full(reqs, each, np.int32), num_draft_tokens_per_req=None,
+        positions=torch.arange(TOKENS, device=DEV) % each)
+    for s in slots:
+        family.add_request(int(s), f"r{s}", each, spec)
+    et.slots.apply()
+    bad = early = 0
+    for step in range(rounds):
+        plan = family.plan(b)
+        router.route(b)
+        family.route(b, router, plan)
+        t = et.ops.capture
+        lag()
+        t.buf.copy_(torch.arange(t.buf.numel(), device=DEV, dtype=t.buf.dtype)
+                    .view_as(t.buf) + step)  # the step's rows, late
+        snap = family.snapshot()
+        t.buf.fill_(-1.0), t.labels.fill_(-7), t.count.zero_()  # the next step's
+        if copy_stream is None:
+            snap.to_cpu_nonblocking()
+        else:  # AsyncOutput: its copies, then the copy event, on its copy stream
+            copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(copy_stream):
+                snap.to_cpu_nonblocking()
+                event = torch.cuda.Event(blocking=True)
+                event.record(copy_stream)
+            event.synchronize()
+            early += snap._ready is not None and not snap._ready.query()
+        used = int(snap.count[0])
+        expect = (torch.arange(t.buf.numel(), dtype=torch.float32).view(t.buf.shape)
+                  + step)[:used]
+        bad += not (used == 2 * TOKENS and not snap.home and
+                    torch.equal(snap.rows[:used], expect) and
+                    bool((snap.labels[:used, SLOT_COLUMN] >= 0).all()))
+    sync()
+    return bad, early
+
+
 def main() -> int:
+    bad, early = check_rows_stream()
     found = {"slot_block_mismatches": check_slot_block(), "router_bad_steps": check_router(),
-             "snapshot_bad_steps": check_snapshots(),
+             "snapshot_bad_steps": check_snapshots(), "rows_stream_bad_steps": bad,
+             "rows_home_after_tokens_steps": early,
              "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"}
     ok = found["slot_block_mismatches"] == 0 and found["router_bad_steps"] == 0 and \
-        found["snapshot_bad_steps"] == 0
+        found["snapshot_bad_steps"] == 0 and bad == 0
     print(json.dumps({**found, "ok": ok}, indent=1))
     return 0 if ok else 1
 

@@ -1,6 +1,7 @@
 """One step's labelled device rows on their way home: cloned on the main stream after the
-forward, copied to the host on vLLM's output copy stream, split per request once the
-copy is done (vllm's HookStepOutput protocol).
+forward, copied to the host on vLLM's output copy stream (a large step's rows on a
+stream of their own, waited for where they are read), split per request once the copy
+is done (vllm's HookStepOutput protocol).
 
 Every row carries its label from the device (ops.tables.Label), and the step's own
 batch maps slots to request ids, so attribution never comes from expected lengths
@@ -18,6 +19,7 @@ from vllm.v1.outputs import HookPayload
 
 from graphtap.courier.chunks import OVERFLOW, Overflow, OverflowKind
 from graphtap.courier.later import DeferredSplit, Unsettled
+from graphtap.courier.groups import group_keys, grouped_in_order
 from graphtap.courier.pack import run_starts
 from graphtap.courier.payload import seal, seal_values
 from graphtap.ops.tables import Label
@@ -184,14 +186,37 @@ class StepRows:
     capacity: int  # the buffer's rows
     overflow_kind: OverflowKind
     home: bool = False  # rows, labels and count are host copies already (queued)
+    # a large step's rows go home on this stream, not vLLM's output copy stream (None:
+    # on that one, or home already)
+    stream: object = None
 
 
 class LabelledStep:
     """One family's step rows: copied home, then split per request (`per_request`, by
     the family's subclass)."""
 
+    # The event after a large step's rows reached the host on a stream of their own
+    # (_rows_to_cpu), until something reads them: vLLM records the step's copy event on
+    # its output copy stream after every copy queued there, so the step's sampled tokens
+    # waited for megabytes of rows (a qk prefill step's 8 MiB) that a deferred split
+    # (later.py) reads only after those tokens have left.
+    _ready = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The step's rows; on the host, once their copy has run (it waits for it)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: torch.Tensor) -> None:
+        self._rows = rows
+
     def __init__(self, step: StepRows):
         self.rows, self.labels, self.count = step.rows, step.labels, step.count
+        self.stream = step.stream
         self.slot_to_req, self.formats = step.slot_to_req, step.formats
         self.site_names, self.capacity = step.site_names, step.capacity
         self.overflow_kind = step.overflow_kind
@@ -217,7 +242,17 @@ class LabelledStep:
             self.tokens = self.tokens.to("cpu", non_blocking=True)
 
     def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.to("cpu", non_blocking=True)
+        if self.stream is None:
+            return rows.to("cpu", non_blocking=True)
+        self.stream.wait_stream(torch.cuda.current_stream())  # vLLM's copy stream: after
+        # the clone and the step's sampled tokens, whose copies it queued first
+        with torch.cuda.stream(self.stream):
+            host = rows.to("cpu", non_blocking=True)
+            self._ready = torch.cuda.Event(blocking=True)  # sleeps, as vLLM's copy event
+            self._ready.record(self.stream)
+        rows.record_stream(self.stream)  # the clone's block waits for this copy, not the
+        # copy event after which per_request releases it
+        return host
 
     def release_device(self) -> None:
         self._device = None
@@ -225,7 +260,7 @@ class LabelledStep:
     def used_rows(self) -> int:
         """Rows the step wrote that came home (the host's bound on the copy may be short:
         overflow())."""
-        return min(int(self.count[0]), self.rows.shape[0])
+        return min(int(self.count[0]), self._rows.shape[0])  # no wait for the rows
 
     def wanting(self) -> set[str]:
         """The requests that wanted rows in the step (the device's count per slot, as
@@ -235,7 +270,7 @@ class LabelledStep:
 
     def used_bytes(self) -> int:
         """Host bytes of the rows the step wrote (after the copy)."""
-        return self.used_rows() * self.rows.shape[1] * self.rows.element_size()
+        return self.used_rows() * self._rows.shape[1] * self._rows.element_size()
 
     def sealed(self, inline=()) -> dict[str, dict] | None:
         """Per request its payload values (payload.Inline, or a tensor that travels as
@@ -337,38 +372,6 @@ class LabelledStep:
             rows = self.rows[first:first + end - start] if index is None else \
                 self.rows[torch.from_numpy(index)]
             yield req, slot, site, labels[start:end], rows
-
-
-def group_keys(slot: np.ndarray, site: np.ndarray) -> np.ndarray:
-    """One int64 per (slot, site) pair (slots and sites stay far below the factor)."""
-    return slot.astype(np.int64) * 1_000_003 + site
-
-
-def grouped_in_order(labels: np.ndarray, order: tuple[int, ...]) -> bool:
-    """Whether each (order[0], order[1]) group of the rows is one contiguous run, sorted
-    by the remaining columns of `order` inside it: the usual step, whose rows the device
-    writes site-major with each request's tokens adjacent and in position order. Checked
-    in a few O(n) passes instead of sorting (lexsort of a qk prefill step's 8k labels
-    was a quarter of its split here)."""
-    if len(labels) < 2:
-        return True
-    a, b, *rest = (labels[:, k] for k in order)
-    same = (a[1:] == a[:-1]) & (b[1:] == b[:-1])
-    # inside a group, the remaining columns must be non-decreasing lexicographically
-    if len(rest) == 1:  # captures: positions (one pass, on every step's critical path)
-        ordered = rest[0][1:] >= rest[0][:-1]
-    else:
-        ordered = np.ones(len(labels) - 1, dtype=bool)  # equal so far
-        greater = np.zeros(len(labels) - 1, dtype=bool)
-        for c in rest:
-            greater |= ordered & (c[1:] > c[:-1])
-            ordered &= c[1:] == c[:-1]
-        ordered |= greater
-    if not np.all(~same | ordered):
-        return False
-    starts = run_starts(~same)
-    keys = group_keys(a[starts], b[starts])
-    return len(np.unique(keys)) == len(keys)  # no group split over two runs
 
 
 def _frames_apart(values: dict) -> tuple[dict, dict]:

@@ -16,7 +16,7 @@ import torch
 
 from graphtap.courier.chunks import positions_key
 from graphtap.courier.pack import SOLO_BYTES, pack_format, pack_key, row_bytes
-from graphtap.courier.snapshot import group_keys
+from graphtap.courier.groups import group_keys
 
 
 class Uniform(NamedTuple):

@@ -84,6 +84,9 @@ class RowFamily(FamilyBase):
         self._reset_group = None  # reset_slot's fields (extra_fields: subclasses' own)
         self._plans: dict[tuple, EntryPlan] = {}  # entries -> their plan (_entry_plan)
         self._writes_extra = type(self).write_extra is not RowFamily.write_extra
+        # the stream a large step's rows go home on (LabelledStep._rows_to_cpu): made
+        # now, not in a burst's first large step
+        self._stream = torch.cuda.Stream(tables.buf.device) if tables.buf.is_cuda else None
         if backend.name != "torch":  # compile the routing kernels now, at start
             sentinel = torch.full((1,), tables.entry_site.shape[0] - 1,
                                   device=tables.buf.device)
@@ -260,7 +263,8 @@ class RowFamily(FamilyBase):
     def snapshot(self) -> LabelledStep | None:
         """The step's used rows, and of them the columns its requests can use (the copy
         home and its pinned buffer shrink with them): a small step's copied home now,
-        a larger one's cloned for vLLM's output copy stream."""
+        a larger one's cloned, its rows to go home on the family's stream, its labels
+        and count on vLLM's output copy stream."""
         if self._step is None:
             return None
         slot_to_req, bound, hi, split = self._step
@@ -281,7 +285,7 @@ class RowFamily(FamilyBase):
             labels = labels[:, :self.host_labels]
         else:
             # Clones on the main stream: the next step reuses the buffer (async
-            # scheduling); they go home on the output copy stream.
+            # scheduling); they go home after the step's tokens (snapshot.py).
             rows = rows.clone(memory_format=torch.contiguous_format)
             if split:  # the heads of every rank, each value written by one of them
                 rows = sum_over_ranks(rows)
@@ -289,7 +293,8 @@ class RowFamily(FamilyBase):
             count = self.t.count.clone()
         return self.step_class(StepRows(
             rows, labels, count, slot_to_req, formats, self.site_names, self.t.rows,
-            self.overflow_kind, home))
+            self.overflow_kind, home, None if home else self._stream))
+
 
     def host_copy_bytes(self) -> int:
         """The most bytes a step's rows take home (every buffer row, every column)."""
