@@ -235,11 +235,14 @@ class LabelledStep:
         # counts and lost rows seen on the H200 before this). Released in per_request,
         # which runs after the copy event.
         self._device = (self.rows, self.labels, self.count, self.tokens)
-        self.rows = self._rows_to_cpu(self.rows)
+        # The rows last: the device's copy engine ran a row copy queued on a stream of
+        # its own before the labels' on vLLM's stream, whose copy event then waited for
+        # the rows all the same (check_staging.check_rows_stream on the H100)
         self.labels = self.labels.to("cpu", non_blocking=True)
         self.count = self.count.to("cpu", non_blocking=True)
         if self.tokens is not None:
             self.tokens = self.tokens.to("cpu", non_blocking=True)
+        self.rows = self._rows_to_cpu(self.rows)
 
     def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
         if self.stream is None:
