@@ -235,9 +235,9 @@ class LabelledStep:
         # counts and lost rows seen on the H200 before this). Released in per_request,
         # which runs after the copy event.
         self._device = (self.rows, self.labels, self.count, self.tokens)
-        # The rows last: queued first, on a stream of their own, vLLM's copy event
-        # (after the labels' copy on its stream) still came only once the rows were
-        # home (check_staging.check_rows_stream on the H100, 20 steps of 20)
+        # The rows last. Queued first (on a stream of their own, the labels after them
+        # on vLLM's), vLLM's copy event still came only once the rows were home
+        # (check_staging.check_rows_stream on the H100: 20 steps of 20)
         self.labels = self.labels.to("cpu", non_blocking=True)
         self.count = self.count.to("cpu", non_blocking=True)
         if self.tokens is not None:
