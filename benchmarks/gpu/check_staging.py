@@ -102,6 +102,35 @@ def check_router(rounds: int = 40, seed: int = 0) -> int:
     return bad
 
 
+def capture_family(backend, hidden: int):
+    """(tables, capture family) of resid_post at 2 layers, rows `hidden` floats wide."""
+    from graphtap.engine.families.capture import CaptureFamily
+    from graphtap.spec.sites import SiteTable, expand_patterns
+
+    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 2))
+    sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=len(sites),
+                  hidden=hidden, steer_width=hidden, dtype=torch.float32, max_steers=1,
+                  max_vectors=2, max_captures=2, capture_rows=2 * TOKENS,
+                  capture_width=hidden, pattern_rows=8, num_heads=2, patterns=False)
+    et = allocate(sizes, backend, DEV)
+    return et, CaptureFamily(et.ops.capture, et.capture, et.slots,
+                             widths={"resid_post": (hidden, 0)}, backend=backend,
+                             sites=sites, max_len=512, model_dtype=torch.float32)
+
+
+def prefill_batch(slots: np.ndarray, lengths: np.ndarray) -> SimpleNamespace:
+    """The input batch of a step of prompts: request slot i's first lengths[i] tokens."""
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return SimpleNamespace(
+        req_ids=[f"r{s}" for s in slots], num_reqs=len(slots), num_tokens=int(qsl[-1]),
+        num_tokens_after_padding=int(qsl[-1]), query_start_loc_np=qsl,
+        query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
+        idx_mapping=torch.from_numpy(slots).to(DEV),
+        num_computed_tokens_np=np.zeros(len(slots), np.int32),
+        num_scheduled_tokens=lengths.astype(np.int32), num_draft_tokens_per_req=None,
+        positions=torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(DEV))
+
+
 def check_snapshots(rounds: int = 20, seed: int = 0) -> int:
     """Steps whose capture snapshot differs from what the step wrote: a capture family
     routes each step's rows in the router's graphs (one replay with the tokens'), the
@@ -109,22 +138,12 @@ def check_snapshots(rounds: int = 20, seed: int = 0) -> int:
     on the main stream, RowFamily.snapshot), and the next step overwrites the buffers at
     once, the device lagging. Its labels and count must equal the torch router's, its
     rows the written values."""
-    from graphtap.engine.families.capture import CaptureFamily
     from graphtap.spec import CaptureEntry, NormalisedSpec
-    from graphtap.spec.sites import SiteTable, expand_patterns
 
     rng = np.random.default_rng(seed)
-    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 2))
-    sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=len(sites),
-                  hidden=64, steer_width=64, dtype=torch.float32, max_steers=1,
-                  max_vectors=2, max_captures=2, capture_rows=2 * TOKENS, capture_width=64,
-                  pattern_rows=8, num_heads=2, patterns=False)
     families = []
     for backend in (_triton(False), TORCH):
-        et = allocate(sizes, backend, DEV)
-        family = CaptureFamily(et.ops.capture, et.capture, et.slots,
-                               widths={"resid_post": (64, 0)}, backend=backend, sites=sites,
-                               max_len=512, model_dtype=torch.float32)
+        et, family = capture_family(backend, 64)
         router = TokenRouter(et.ops, staging_depth=DEPTH)
         # the family under test: host copies queued in the snapshot; the reference (the
         # torch router's): device clones copied home later, RowFamily.snapshot's other way
@@ -139,19 +158,11 @@ def check_snapshots(rounds: int = 20, seed: int = 0) -> int:
     for step in range(rounds):
         reqs = int(rng.integers(1, SLOTS))
         lengths = rng.integers(1, TOKENS // SLOTS, reqs)
-        qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         slots = rng.choice(SLOTS, reqs, replace=False).astype(np.int32)
         spec = NormalisedSpec(capture=tuple(
             CaptureEntry(layer, "resid_post", f"blocks.{layer}.hook_resid_post", "model",
                          None, rules[int(rng.integers(3))]) for layer in (0, 1)))
-        b = SimpleNamespace(
-            req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=int(qsl[-1]),
-            num_tokens_after_padding=int(qsl[-1]), query_start_loc_np=qsl,
-            query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
-            idx_mapping=torch.from_numpy(slots).to(DEV),
-            num_computed_tokens_np=np.zeros(reqs, np.int32),
-            num_scheduled_tokens=lengths.astype(np.int32), num_draft_tokens_per_req=None,
-            positions=torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(DEV))
+        b = prefill_batch(slots, lengths)
         snaps = []
         for et, family, router in families:
             for s, n in zip(slots, lengths):
@@ -192,35 +203,17 @@ def check_rows_stream(rounds: int = 20, hidden: int = 4096) -> tuple[int, int]:
     output copy stream, the device lagging and the next step overwriting the buffers at
     once; read right after the copy event, without a device sync, rows, labels and
     count must be the step's (LabelledStep.rows waits for the rows' own event)."""
-    from graphtap.engine.families.capture import CaptureFamily
     from graphtap.spec import CaptureEntry, NormalisedSpec
-    from graphtap.spec.sites import SiteTable, expand_patterns
 
-    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post"], 2))
-    sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=len(sites),
-                  hidden=hidden, steer_width=hidden, dtype=torch.float32, max_steers=1,
-                  max_vectors=2, max_captures=2, capture_rows=2 * TOKENS,
-                  capture_width=hidden, pattern_rows=8, num_heads=2, patterns=False)
-    et = allocate(sizes, TORCH, DEV)
-    family = CaptureFamily(et.ops.capture, et.capture, et.slots,
-                           widths={"resid_post": (hidden, 0)}, backend=TORCH, sites=sites,
-                           max_len=512, model_dtype=torch.float32)
+    et, family = capture_family(TORCH, hidden)
     router = TokenRouter(et.ops, staging_depth=DEPTH)
     copy_stream = torch.cuda.Stream() if DEV.type == "cuda" else None
     spec = NormalisedSpec(capture=tuple(
         CaptureEntry(layer, "resid_post", f"blocks.{layer}.hook_resid_post", "model", None,
                      "all") for layer in (0, 1)))
     reqs, each = SLOTS // 2, TOKENS // (SLOTS // 2)
-    qsl = np.arange(0, TOKENS + 1, each, dtype=np.int32)
     slots = np.arange(reqs, dtype=np.int32)
-    b = SimpleNamespace(
-        req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=TOKENS,
-        num_tokens_after_padding=TOKENS, query_start_loc_np=qsl,
-        query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
-        idx_mapping=torch.from_numpy(slots).to(DEV),
-        num_computed_tokens_np=np.zeros(reqs, np.int32),
-        num_scheduled_tokens=np.full(reqs, each, np.int32), num_draft_tokens_per_req=None,
-        positions=torch.arange(TOKENS, device=DEV) % each)
+    b = prefill_batch(slots, np.full(reqs, each))
     for s in slots:
         family.add_request(int(s), f"r{s}", each, spec)
     et.slots.apply()
