@@ -211,10 +211,10 @@ def test_a_deferred_step_leaves_its_tokens_before_its_rows_are_home():
     step = qk_step()
     snaps = snapshots(step)
     part, event = snaps.parts[0], CopyEvent()
-    part._ready = event  # the rows' copy still queued
+    part.rows_ready = event  # the rows' copy still queued
     later = snaps.per_request(None)
     assert event.waits == 0 and all(isinstance(p, LaterPayload) for p in later.values())
     now = snapshots(step)._per_request(None)
     for req, p in later.items():
         assert same(opened(p.settle()), opened(now[req])), req
-    assert event.waits == 1 and part._ready is None  # once, at the split's first read
+    assert event.waits == 1 and part.rows_ready is None  # once, at the split's first read

@@ -94,7 +94,7 @@ def test_a_full_staging_waits_for_the_writer_and_falls_back_when_it_cannot(tmp_p
 def test_the_capture_step_settles_its_block_with_the_bytes_it_handed_over(tmp_path):
     """A step whose rows were staged: views of them go to the writer, the cast rows are
     copies, a request's own rows come back; the block is free once the writer wrote the
-    views (CaptureStep._rows_to_cpu stages on a GPU; set by hand here)."""
+    views (CaptureStep._rows_home stages on a GPU; set by hand here)."""
     from graphtap.courier.rows import NO_SINK
 
     f32, bf16 = RowFormat(torch.float32, 8, None, 0), RowFormat(torch.bfloat16, 8, None, 0)

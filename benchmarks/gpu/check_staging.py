@@ -237,7 +237,7 @@ def check_rows_stream(rounds: int = 20, hidden: int = 4096) -> tuple[int, int]:
                 event = torch.cuda.Event(blocking=True)
                 event.record(copy_stream)
             event.synchronize()
-            early += snap._ready is not None and not snap._ready.query()
+            early += snap.rows_ready is not None and not snap.rows_ready.query()
         used = int(snap.count[0])
         expect = (torch.arange(t.buf.numel(), dtype=torch.float32).view(t.buf.shape)
                   + step)[:used]

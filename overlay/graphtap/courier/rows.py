@@ -41,7 +41,6 @@ class RowFormat(NamedTuple):
 class CaptureStep(LabelledStep):
     """A capture step; labels (slot, site, position) per row."""
 
-    rows_ready = None  # a sink step's event: its rows are on the host (None: with the rest)
     staged = None  # the offset of the sink's staging block its rows were copied into
     # Steps of at most this many rows are split in plain Python (_split_small): the array
     # passes' fixed cost (some 60 numpy and torch calls, ~200 us on the dev CPU whatever
@@ -57,27 +56,18 @@ class CaptureStep(LabelledStep):
     # pass's per row and group past some 10 requests' last-prompt rows at 3 sites
     uniform_rows = 32
 
-    def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
-        # A sink step's rows go home on the sink's own stream: on vLLM's copy stream the
-        # step's sampled tokens waited for them (its copy event is recorded after every
-        # copy), a 2048-token prefill of every layer of Llama-3-8B being 512 MB. The
-        # writer waits for this event before it writes them; the per-request split of
-        # the step's other rows waits here (_gathered).
+    def _rows_home(self, rows: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        # A sink step's rows go home on the sink's own stream, into its staging block
+        # where it has one: the writer waits for rows_ready before it writes them; the
+        # per-request split of the step's other rows waits at its first read of them.
         stream = None if self.sink is None else self.sink.stream
         if stream is None:
-            return super()._rows_to_cpu(rows)
-        stream.wait_stream(torch.cuda.current_stream())  # vLLM's copy stream: after the clone
+            return super()._rows_home(rows)
         staged = self.sink.writer.stage(rows)  # the sink's pinned memory (or None)
-        with torch.cuda.stream(stream):
-            if staged is None:
-                host = rows.to("cpu", non_blocking=True)
-            else:
-                self.staged, host = staged
-                host.copy_(rows, non_blocking=True)
-            self.rows_ready = torch.cuda.Event(blocking=True)
-            self.rows_ready.record(stream)
-        rows.record_stream(stream)  # the clone's block is not reused before the copy ran
-        return host
+        if staged is None:
+            return stream, None
+        self.staged, host = staged
+        return stream, host
 
     def _gathered(self) -> dict[str, dict[str, torch.Tensor]]:
         handed = 0  # bytes of a staging block handed to the writer as views
@@ -85,8 +75,6 @@ class CaptureStep(LabelledStep):
             keep, failed, handed = self._to_sink() if self.sink is not None else (None, {}, 0)
             if keep is not None and not keep.any():
                 return failed  # every row went to the sink (a harvest's steps)
-            if self.rows_ready is not None:
-                self.rows_ready.synchronize()  # other requests' rows rode the sink's stream
             small = keep is None and \
                 self.used_rows() <= self.small_rows
             return {**(self._split_small() if small else self._split(keep)), **failed}
@@ -278,7 +266,7 @@ class CaptureStep(LabelledStep):
             ready = self.rows_ready
             if ready is not None and any(tap.formats[key % n_fmt] != self._native(
                     tap.formats[key % n_fmt]) for key in runs):
-                ready.synchronize()  # a format other than the buffer's is a copy made here
+                self._wait_rows()  # a format other than the buffer's is a copy made here
                 ready = None
             sunk = [(self.site_names[key // n_fmt], sum(b - a for a, b in spans),
                      [self._sink_values(a, b, tap.formats[key % n_fmt]) for a, b in spans])
@@ -303,7 +291,7 @@ class CaptureStep(LabelledStep):
             return 0
         if self.staged is None:
             return 0
-        storage = self.rows.untyped_storage().data_ptr()
+        storage = self._rows.untyped_storage().data_ptr()
         return sum(c.numel() * c.element_size() for _, _, chunks in sunk for c in chunks
                    if c.untyped_storage().data_ptr() == storage)
 
@@ -334,7 +322,7 @@ class CaptureStep(LabelledStep):
 
     def _view(self, start: int, end: int, fmt: RowFormat) -> torch.Tensor:
         """A run of rows in a native format (_native): a view of the step copy."""
-        rows = self.rows[start:end]
+        rows = self._rows[start:end]  # no wait: the writer waits for rows_ready
         return rows.view(end - start, -1, fmt.head_dim) if fmt.head_dim else rows
 
     def _sink_values(self, start: int, end: int, fmt: RowFormat) -> torch.Tensor:
@@ -348,7 +336,7 @@ class CaptureStep(LabelledStep):
 
     def _native(self, fmt: RowFormat) -> RowFormat:
         """The format in which a site's rows are views of the step copy (no copy made)."""
-        return fmt._replace(dtype=self.rows.dtype, width=self.rows.shape[1], heads=None)
+        return fmt._replace(dtype=self._rows.dtype, width=self._rows.shape[1], heads=None)
 
     @staticmethod
     def _cut(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:

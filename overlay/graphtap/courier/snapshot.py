@@ -195,20 +195,24 @@ class LabelledStep:
     """One family's step rows: copied home, then split per request (`per_request`, by
     the family's subclass)."""
 
-    # The event after a large step's rows reached the host on a stream of their own
-    # (_rows_to_cpu), until something reads them: vLLM records the step's copy event on
-    # its output copy stream after every copy queued there, so the step's sampled tokens
-    # waited for megabytes of rows (a qk prefill step's 8 MiB) that a deferred split
-    # (later.py) reads only after those tokens have left.
-    _ready = None
+    # The event after the step's rows reached the host on a stream other than vLLM's
+    # output copy stream (_rows_to_cpu), until something waits for it: vLLM records the
+    # step's copy event on that stream after every copy queued there, so the step's
+    # sampled tokens waited for megabytes of rows (a qk prefill step's 8 MiB, a sink
+    # step's hundreds) that a deferred split (later.py) or the sink's writer reads only
+    # after those tokens have left.
+    rows_ready = None
 
     @property
     def rows(self) -> torch.Tensor:
         """The step's rows; on the host, once their copy has run (it waits for it)."""
-        if self._ready is not None:
-            self._ready.synchronize()
-            self._ready = None
+        self._wait_rows()
         return self._rows
+
+    def _wait_rows(self) -> None:
+        if self.rows_ready is not None:
+            self.rows_ready.synchronize()
+            self.rows_ready = None
 
     @rows.setter
     def rows(self, rows: torch.Tensor) -> None:
@@ -245,17 +249,26 @@ class LabelledStep:
         self.rows = self._rows_to_cpu(self.rows)
 
     def _rows_to_cpu(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.stream is None:
+        stream, host = self._rows_home(rows)
+        if stream is None:
             return rows.to("cpu", non_blocking=True)
-        self.stream.wait_stream(torch.cuda.current_stream())  # vLLM's copy stream: after
+        stream.wait_stream(torch.cuda.current_stream())  # vLLM's copy stream: after
         # the clone and the step's sampled tokens, whose copies it queued first
-        with torch.cuda.stream(self.stream):
-            host = rows.to("cpu", non_blocking=True)
-            self._ready = torch.cuda.Event(blocking=True)  # sleeps, as vLLM's copy event
-            self._ready.record(self.stream)
-        rows.record_stream(self.stream)  # the clone's block waits for this copy, not the
+        with torch.cuda.stream(stream):
+            if host is None:
+                host = rows.to("cpu", non_blocking=True)
+            else:
+                host.copy_(rows, non_blocking=True)
+            self.rows_ready = torch.cuda.Event(blocking=True)  # sleeps, as vLLM's copy event
+            self.rows_ready.record(stream)
+        rows.record_stream(stream)  # the clone's block waits for this copy, not the
         # copy event after which per_request releases it
         return host
+
+    def _rows_home(self, rows: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        """The stream the step's rows go home on (None: vLLM's copy stream, with the
+        rest) and the pinned block they go into (None: one made for them)."""
+        return self.stream, None
 
     def release_device(self) -> None:
         self._device = None
@@ -302,7 +315,7 @@ class LabelledStep:
         (count: the step's counts as plain ints; a numpy reduction's code is cold once a
         step between forwards, benchmarks/cpu/burst_timeline.py)."""
         written = count[0]
-        return written <= self.rows.shape[0] and written == sum(count) - written
+        return written <= self._rows.shape[0] and written == sum(count) - written
 
     def overflow(self) -> dict[str, dict[str, torch.Tensor]]:
         """The requests that lost rows this step, each with the overflow as its result
@@ -314,15 +327,15 @@ class LabelledStep:
         if self.all_home(self.count.tolist()):
             return {}  # every unit got a row and came home: the usual step
         written, wanted = int(self.count[0]), self.count[1:].numpy()
-        home = min(written, self.rows.shape[0])
+        home = min(written, self._rows.shape[0])
         slots = self.labels[:home, SLOT_COLUMN].numpy()
         kept = np.bincount(slots, minlength=len(wanted)) if home else np.zeros_like(wanted)
-        short = written > self.rows.shape[0]
+        short = written > self._rows.shape[0]
         lost = {}
         for slot, req in self.slot_to_req.items():
             if kept[slot] < wanted[slot]:
                 kind = OverflowKind.HOST_BOUND if short else self.overflow_kind
-                room = self.rows.shape[0] if short else self.capacity
+                room = self._rows.shape[0] if short else self.capacity
                 lost[req] = {OVERFLOW: Overflow(kind, int(wanted[slot]), room).to_tensor()}
         return lost
 

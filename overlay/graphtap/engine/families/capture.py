@@ -38,7 +38,7 @@ class CaptureFamily(RowFamily):
         self._sunk: set[int] = set()  # slots of live requests with sink entries
         self._heads: set[int] = set()  # slots of live requests capturing attention sites
         self._input_ids: torch.Tensor | None = None  # the routed step's, while it sinks
-        # the sink steps' rows go home on a stream of their own (CaptureStep._rows_to_cpu)
+        # the sink steps' rows go home on a stream of their own (CaptureStep._rows_home)
         self._sink_stream = torch.cuda.Stream(self.t.buf.device) \
             if sink is not None and self.t.buf.is_cuda else None
 
