@@ -241,7 +241,8 @@ class LabelledStep:
         self._device = (self.rows, self.labels, self.count, self.tokens)
         # The rows last. Queued first (on a stream of their own, the labels after them
         # on vLLM's), vLLM's copy event still came only once the rows were home
-        # (check_staging.check_rows_stream on the H100: 20 steps of 20)
+        # (check_staging.check_rows_stream on the H100: 20 steps of 20); queued last,
+        # it came before them in 20 steps of 20
         self.labels = self.labels.to("cpu", non_blocking=True)
         self.count = self.count.to("cpu", non_blocking=True)
         if self.tokens is not None:
