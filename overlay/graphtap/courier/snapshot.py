@@ -199,8 +199,8 @@ class LabelledStep:
     # output copy stream (_rows_to_cpu), until something waits for it: vLLM records the
     # step's copy event on that stream after every copy queued there, so the step's
     # sampled tokens waited for megabytes of rows (a qk prefill step's 8 MiB, a sink
-    # step's hundreds) that a deferred split (later.py) or the sink's writer reads only
-    # after those tokens have left.
+    # step's hundreds of MiB) that a deferred split (later.py) or the sink's writer reads
+    # only after those tokens have left.
     rows_ready = None
 
     @property
@@ -239,10 +239,9 @@ class LabelledStep:
         # counts and lost rows seen on the H200 before this). Released in per_request,
         # which runs after the copy event.
         self._device = (self.rows, self.labels, self.count, self.tokens)
-        # The rows last. Queued first (on a stream of their own, the labels after them
-        # on vLLM's), vLLM's copy event still came only once the rows were home
-        # (check_staging.check_rows_stream on the H100: 20 steps of 20); queued last,
-        # it came before them in 20 steps of 20
+        # The rows last: queued before the labels and count, vLLM's copy event came only
+        # once the rows were home, in 20 steps of 20; queued after them, it came before
+        # the rows were home in 20 steps of 20 (check_staging.check_rows_stream, H100)
         self.labels = self.labels.to("cpu", non_blocking=True)
         self.count = self.count.to("cpu", non_blocking=True)
         if self.tokens is not None:
