@@ -113,6 +113,84 @@ def test_the_finish_of_a_shipped_request_copies_nothing_on_the_output_handler():
                    torch.equal(out.positions[k], expect.positions[k]) for k in expect)
 
 
+def hs_step(reqs: int = 8):
+    """An hs prefill step: each request's last prompt row at 2 residual sites (4096
+    bf16 columns), deferred (the step holds DEFER_BYTES or more) though each request's
+    values are small enough to travel inline."""
+    resid = RowFormat(torch.bfloat16, 4096, None, 0)
+    labels = [(r, site, 255) for site in (1, 2) for r in range(reqs)]
+    rows = torch.randn(len(labels), 4096).to(torch.bfloat16)
+    return rows, labels, {r: f"r{r}" for r in range(reqs)}, \
+        {r: {1: resid, 2: resid} for r in range(reqs)}
+
+
+def test_a_shipped_step_of_small_values_is_split_but_not_opened_on_the_split_thread():
+    """A request whose payload is inline values only (no frame of the step's rows)
+    keeps it sealed as the split made it: its values are bytes of its own, and opening
+    them on the split thread held the frontend's GIL for most of an hs step's split."""
+    from graphtap.courier import assemble, open_chunks
+    from graphtap.courier.snapshot import DEFER_BYTES
+
+    data = hs_step()
+    assert data[0].numel() * 2 >= DEFER_BYTES
+    now, shipped = local(data), ShippedRows()
+    kept = frontend_side(through_vllm(deferred(data)), shipped)
+    assert all(is_shipped(p) for ps in kept.values() for p in ps)
+    for req, payloads in kept.items():
+        (got,) = shipped.resolve(req, payloads)
+        assert not got.frames and got.inline == now[req].inline, req
+        out = assemble([c for c in open_chunks(got)])
+        assert out.keys() == {NAMES[1], NAMES[2]}
+        assert all(torch.equal(out[NAMES[s]][0], data[0][s * 8 - 8 + int(req[1:])])
+                   for s in (1, 2)), req
+
+
+def test_a_bundles_split_starts_after_what_the_event_loop_already_had_to_run():
+    """On the output handler's event loop, a bundle's split waits for the callbacks
+    already due (the consumers its step's tokens woke, just before) and then runs on
+    the split thread; a finish that needs it first starts it itself."""
+    import asyncio
+
+    data = hs_step()
+    now = local(data)
+    messages = through_vllm(deferred(data))
+
+    async def handler():
+        shipped, seen = ShippedRows(), []
+        woken = asyncio.Event()
+
+        async def consumer():  # a request whose token came in the step's message
+            await woken.wait()
+            seen.append(shipped._waiting["r0"] and
+                        next(iter(shipped._waiting["r0"].values()))._future)
+
+        task = asyncio.ensure_future(consumer())
+        await asyncio.sleep(0)  # waiting for its token
+        woken.set()
+        kept = frontend_side(messages, shipped)  # the rows' message, handled at once
+        split = next(iter(shipped._waiting["r0"].values()))
+        assert split._future is None  # not before the loop has run what was due
+        await task
+        assert seen == [None]  # the consumer ran before the split started
+        await asyncio.sleep(0)
+        assert split._future is not None
+        return shipped, kept
+
+    shipped, kept = asyncio.run(handler())
+    for req, payloads in kept.items():
+        (got,) = shipped.resolve(req, payloads)
+        assert got.inline == now[req].inline, req
+    # a finish before the loop started it: it starts it and waits
+    later = ShippedRows()
+
+    async def early():
+        kept = frontend_side(through_vllm(deferred(data)), later)
+        return [later.resolve(r, kept[r]) for r in ("r0", "r7")]
+
+    for req, (got,) in zip(("r0", "r7"), asyncio.run(early())):
+        assert got.inline == now[req].inline, req
+
+
 def test_a_finishing_request_gets_a_marker_its_finish_resolves():
     data = qk_step()
     now = local(data)
