@@ -18,11 +18,10 @@ The frontend starts a bundle's split when it arrives (ShippedRows.arrived), on a
 of its own, and hands each request its payloads when it finishes."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
 from typing import Callable
 
@@ -157,7 +156,7 @@ class ShippedRows:
         self._lock = threading.Lock()
         # the frontend's: the output handler's phase "arrived", the split thread's "split"
         self.clock = clock if clock is not None else HostClock()
-        self._waiting: dict[str, dict[str, _Split]] = {}
+        self._waiting: dict[str, dict[str, Future]] = {}
         # whether a request may still finish here: a bundle may come after some of its
         # step's requests were aborted, and what it keeps for them would stay forever
         self._live = live
@@ -207,46 +206,12 @@ class ShippedRows:
                 return _failed(f"could not read a step's shipped rows ({e})")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="graphtap-split")
-            made = _Split(self._pool, meta, payload.frames, self.clock)
+            made = self._pool.submit(_made, meta, payload.frames, self.clock)
             with self._lock:
                 for req in meta.requests:
                     if self._live is None or self._live(req):
                         self._waiting.setdefault(req, {})[meta.step] = made
-            made.start_soon()
             return marker(meta.step)
-
-
-class _Split:
-    """A bundle's split on the split thread, started once the output handler's event
-    loop has run what is already due: the step's message, just before, woke its
-    requests' consumers with their tokens, and a split started at once held the
-    frontend's GIL while they ran (hs's deliver phase, issue 18). Whoever needs the
-    split first (a finish) starts it if it has not started yet."""
-
-    def __init__(self, pool: ThreadPoolExecutor, *args) -> None:
-        self._pool, self._args = pool, args
-        self._lock = threading.Lock()
-        self._future = None
-
-    def start_soon(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no event loop here (LLM's output processing): now
-            loop = None
-        if loop is None:
-            self.start()
-        else:
-            loop.call_soon(self.start)
-
-    def start(self) -> None:
-        with self._lock:
-            if self._future is None:
-                self._future = self._pool.submit(_made, *self._args)
-                self._args = None
-
-    def result(self) -> dict[str, HookPayload]:
-        self.start()
-        return self._future.result()
 
 
 def _made(meta: _Bundle, frames: dict, clock: HostClock) -> dict[str, HookPayload]:
@@ -264,12 +229,7 @@ def _owned(payload: HookPayload) -> HookPayload:
     (payload.own) copied each request's rows out of it, and unpacked and decoded
     them, on the frontend's output handler, where every token of that message waited
     (a qk request's 1 MiB, 8 of them finishing at once in a burst). Here, on the split's
-    thread, the copies hold no GIL; the finish then keeps the values as they are.
-    A payload without frames is kept sealed: its values are inline bytes of its own
-    (an hs step's few rows a request), which the finish decodes as cheaply as this
-    would, and opening them here held the frontend's GIL for most of the split."""
-    if not payload.frames:
-        return payload
+    thread, the copies hold no GIL; the finish then keeps the values as they are."""
     chunks = open_chunks(payload)
     if len(chunks) != 1 or FINISH in chunks[0]:  # one chunk a step, nothing held: kept
         return payload
