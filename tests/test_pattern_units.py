@@ -172,6 +172,35 @@ def test_routing_labels_every_row_and_snapshot_splits_per_request(home):
     assert (t.labels[:, Label.SITE] == -1).all() and f.snapshot() is None
 
 
+@pytest.mark.parametrize("home", [True, False], ids=["copied-home", "cloned"])
+def test_count_and_labels_go_home_in_one_copy(home):
+    """A row family's count and labels are one device block (RowTables.head, the
+    count first): a step's count and used labels go home as one copy of its start,
+    in both of the snapshot's ways, and hold the values the step wrote."""
+    f, et = family()
+    if not home:
+        f.home_bytes = 0
+    t = et.ops.pattern
+    assert t.count.untyped_storage().data_ptr() == t.labels.untyped_storage().data_ptr()
+    assert t.labels.data_ptr() - t.count.data_ptr() == t.labels_at * 8 and \
+        t.labels.data_ptr() % 16 == 0
+    f.add_request(0, "a", 5, spec(entry(1, [1, 3])))
+    et.slots.apply()
+    batch = SimpleNamespace(req_ids=["a"], num_tokens_after_padding=5,
+                            positions=torch.arange(5), num_scheduled_tokens=np.array([5]))
+    f.route(batch, router(torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long)),
+            f.plan(batch))
+    used = int(t.count[0])
+    count, labels = t.count.clone(), t.labels[:used, :f.host_labels].clone()
+    snap = f.snapshot()
+    assert (snap._head is None) is home  # copied home already, or one block to copy
+    t.labels.fill_(7), t.count.fill_(7)  # the next step's writes
+    snap.to_cpu_nonblocking()
+    assert snap.count.untyped_storage().data_ptr() == snap.labels.untyped_storage().data_ptr()
+    assert torch.equal(snap.count, count) and torch.equal(snap.labels[:used], labels)
+    assert snap.per_request()["a"]
+
+
 def test_overflow_is_reported_not_dropped():
     from graphtap.courier import Overflow, OverflowKind
 

@@ -10,8 +10,6 @@ batch maps slots to request ids, so attribution never comes from expected length
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -22,6 +20,7 @@ from graphtap.courier.later import DeferredSplit, Unsettled
 from graphtap.courier.groups import group_keys, grouped_in_order
 from graphtap.courier.pack import run_starts
 from graphtap.courier.payload import seal, seal_values
+from graphtap.courier.step_rows import StepRows
 from graphtap.ops.tables import Label
 from graphtap.profiling import HostClock, named
 
@@ -172,25 +171,6 @@ class StepSnapshots:
         return out
 
 
-@dataclass
-class StepRows:
-    """What a row family hands the courier after a step (device tensors, cloned, or
-    host copies of a small step: `home`)."""
-
-    rows: torch.Tensor  # [bound, columns] the step's used rows, the columns its formats read
-    labels: torch.Tensor  # [bound, host label columns]
-    count: torch.Tensor  # [1 + slots] rows the step wrote, then the units each slot wanted
-    slot_to_req: dict[int, str]  # every request of the batch with entries in the family
-    formats: dict[int, dict[int, tuple]]  # slot -> site -> the family's output format
-    site_names: dict[int, str]
-    capacity: int  # the buffer's rows
-    overflow_kind: OverflowKind
-    home: bool = False  # rows, labels and count are host copies already (queued)
-    # a large step's rows go home on this stream, not vLLM's output copy stream (None:
-    # on that one, or home already)
-    stream: object = None
-
-
 class LabelledStep:
     """One family's step rows: copied home, then split per request (`per_request`, by
     the family's subclass)."""
@@ -225,6 +205,7 @@ class LabelledStep:
         self.site_names, self.capacity = step.site_names, step.capacity
         self.overflow_kind = step.overflow_kind
         self.home = step.home
+        self._head = step.head
         self._device = None
         self.sink = None  # engine.families.capture.SinkTap: rows that go to the sink
         self.tokens = None  # per row its input token id (sink steps only)
@@ -238,12 +219,17 @@ class LabelledStep:
         # main stream's pool and be overwritten by the next step first (the garbage
         # counts and lost rows seen on the H200 before this). Released in per_request,
         # which runs after the copy event.
-        self._device = (self.rows, self.labels, self.count, self.tokens)
+        head, self._head = self._head, None
+        self._device = (self.rows, self.labels, self.count, self.tokens,
+                        None if head is None else head.block)
         # The rows last: queued before the labels and count, vLLM's copy event came only
         # once the rows were home, in 20 steps of 20; queued after them, it came before
         # the rows were home in 20 steps of 20 (check_staging.check_rows_stream, H100)
-        self.labels = self.labels.to("cpu", non_blocking=True)
-        self.count = self.count.to("cpu", non_blocking=True)
+        if head is not None:
+            self.count, self.labels = head.parts(head.block.to("cpu", non_blocking=True))
+        else:
+            self.labels = self.labels.to("cpu", non_blocking=True)
+            self.count = self.count.to("cpu", non_blocking=True)
         if self.tokens is not None:
             self.tokens = self.tokens.to("cpu", non_blocking=True)
         self.rows = self._rows_to_cpu(self.rows)

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 
 from graphtap.courier import LabelledStep, OverflowKind, StepRows
+from graphtap.courier.step_rows import Head
 from graphtap.engine.family import FamilyBase
 from graphtap.engine.heads import HeadSplit, sum_over_ranks
 from graphtap.engine.slots import SlotBlock
 from graphtap.engine.tables import EntryFields
 from graphtap.engine.wanted import Wants, WantTable, positions_end, rows_in_step
-from graphtap.ops.tables import Label, RowTables
+from graphtap.ops.tables import LABELS, Label, RowTables
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import runs_bitmap
 from graphtap.spec.sites import SiteTable
@@ -274,26 +275,30 @@ class RowFamily(FamilyBase):
         formats = {s: self._formats[s] for s in slot_to_req}
         home = not split and rows.numel() * rows.element_size() <= self.home_bytes and \
             self.copies_home(slot_to_req)
+        # the count and the used rows' labels: one block (RowTables.head), one copy
+        t = self.t
+        head = Head(t.head[:t.labels_at + bound * LABELS], t.count.shape[0], t.labels_at,
+                    self.host_labels)
         if home:
             # Host copies queued on the main stream, ordered before the next step's
             # writes: no device clones, no second copy on the output stream (a hooked
             # step's clones and copies were ~12 API calls on the busy loop, its main
             # cost after the forward); the link's time for a few hundred KiB is a
             # sliver of the next step's.
-            rows, labels, count = (host_copy(rows), host_copy(self.t.labels[:bound]),
-                                   host_copy(self.t.count))
-            labels = labels[:, :self.host_labels]
+            rows = host_copy(rows)
+            head = head._replace(block=host_copy(head.block))
         else:
             # Clones on the main stream: the next step reuses the buffer (async
             # scheduling); they go home after the step's tokens (snapshot.py).
             rows = rows.clone(memory_format=torch.contiguous_format)
             if split:  # the heads of every rank, each value written by one of them
                 rows = sum_over_ranks(rows)
-            labels = self.t.labels[:bound, :self.host_labels].clone()
-            count = self.t.count.clone()
+            head = head._replace(block=head.block.clone())
+        count, labels = head.parts()
         return self.step_class(StepRows(
             rows, labels, count, slot_to_req, formats, self.site_names, self.t.rows,
-            self.overflow_kind, home, None if home else self._stream))
+            self.overflow_kind, home, None if home else self._stream,
+            None if home else head))
 
 
     def host_copy_bytes(self) -> int:

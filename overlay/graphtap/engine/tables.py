@@ -113,14 +113,18 @@ def _entries(layout: SlotLayout, count: int, words: int, heads: int | None) -> E
 def _rows(s: Sizes, block: SlotBlock, fields: EntryFields, rows: int, width: int,
           dtype: torch.dtype, scatter: bool, device, cls=RowTables, **extra) -> RowTables:
     sites = max(s.num_sites, 1)
-    labels = torch.zeros((rows + 1, LABELS), dtype=LABEL_DTYPE, device=device)
+    # count and labels in one block (RowTables.head), the labels 16-byte aligned
+    counts = s.max_reqs + 2
+    at = counts + counts % 2
+    head = torch.zeros((at + (rows + 1) * LABELS,), dtype=LABEL_DTYPE, device=device)
+    labels = head[at:].view(rows + 1, LABELS)
     labels[:, Label.SITE] = -1
     return cls(
         entry_site=block.view(fields.site), entry_pos=block.view(fields.pos),
         entry_heads=None if fields.heads is None else block.view(fields.heads),
         dst=torch.full((sites, s.max_tokens), rows, dtype=torch.int64, device=device)
         if scatter else None,
-        labels=labels, count=torch.zeros((s.max_reqs + 2,), dtype=torch.int64, device=device),
+        labels=labels, count=head[:counts], head=head, labels_at=at,
         fits=torch.zeros((s.max_reqs + 1,), dtype=torch.int32, device=device),
         buf=torch.zeros((rows + 1, width), dtype=dtype, device=device),
         flags=torch.zeros((sites, s.max_tokens), dtype=torch.int32, device=device),

@@ -91,6 +91,8 @@ class RowTables:
       labels[K+1, LABELS]      the Label columns of every buffer row
       count[1 + R+1]           count[0]: rows written this step (<= K); count[1 + slot]: the
                                units each request slot wanted
+      head[labels_at + (K+1) * LABELS]  count, then labels from labels_at: one block, so
+                               a step's count and used labels go home in one copy
       fits[R+1]                1 where a slot's units all got rows this step: requests are
                                taken whole, in slot order, while they fit (one that does not
                                gets none and fails alone; the rest keep theirs)
@@ -105,6 +107,8 @@ class RowTables:
     dst: torch.Tensor | None
     labels: torch.Tensor
     count: torch.Tensor
+    head: torch.Tensor
+    labels_at: int
     fits: torch.Tensor
     buf: torch.Tensor
     flags: torch.Tensor
