@@ -1,0 +1,225 @@
+"""Host time of a burst's first hooked step, piece by piece, without an engine (issue 18):
+the step that admits request 0 runs alone and every later request of the burst waits
+behind its host work, so each microsecond of graphtap's prepare_step, collect and
+to_cpu there is one of every request's TTFT. For hs (3 residual rows of one request)
+and qk (q at the last prompt token, k at every prompt token, 4 layers x 4 heads, Llama-3-8B
+widths) at one request of 256 tokens: the whole step (plan, routing, snapshot, copies
+queued) and each call in it, timed "cold" (one call after the host did other work for a
+while, as a burst's first step comes after a quiet engine) and "warm" (a tight loop).
+Needs torch and Triton only:
+
+    PYTHONPATH=overlay python3 -m benchmarks.gpu.first_step_host [--samples 40]
+
+Prints one JSON line per workload and writes $OUT/first-step-host.json.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from graphtap.courier import StepSnapshots
+from graphtap.engine.families.capture import CaptureFamily
+from graphtap.engine.router import TokenRouter
+from graphtap.engine.tables import Sizes, allocate
+from graphtap.ops.backend import select_backend
+from graphtap.spec import CaptureEntry, NormalisedSpec
+from graphtap.spec.sites import SiteTable, expand_patterns
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run
+LAYERS, HIDDEN, HEAD_DIM, KV = 32, 4096, 128, 8
+WIDTHS = {"resid_post": (HIDDEN, 0), "attn_q": (HIDDEN, HEAD_DIM),
+          "attn_k": (KV * HEAD_DIM, HEAD_DIM)}
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def specs() -> dict[str, NormalisedSpec]:
+    heads = (0, 1, 2, 3)
+    qk = tuple(e for layer in (4, 8, 16, 24) for e in (
+        CaptureEntry(layer, "attn_q", f"blocks.{layer}.attn.hook_q", "model", heads,
+                     "last_prompt"),
+        CaptureEntry(layer, "attn_k", f"blocks.{layer}.attn.hook_k", "model", heads,
+                     "prompt")))
+    hs = tuple(CaptureEntry(layer, "resid_post", f"blocks.{layer}.hook_resid_post", "model",
+                            None, "last_prompt") for layer in (8, 16, 24))
+    return {"hs": NormalisedSpec(capture=hs), "qk": NormalisedSpec(capture=qk)}
+
+
+def batch(tokens: int, slot: int) -> SimpleNamespace:
+    qsl = np.array([0, tokens], np.int32)
+    return SimpleNamespace(
+        req_ids=[f"r{slot}"], num_reqs=1, num_tokens=tokens, num_tokens_after_padding=tokens,
+        query_start_loc_np=qsl, query_start_loc=torch.from_numpy(qsl).to(DEV),
+        idx_mapping=torch.tensor([slot], dtype=torch.int32, device=DEV),
+        idx_mapping_np=np.array([slot], np.int32),
+        num_computed_tokens_np=np.zeros(1, np.int32),
+        num_scheduled_tokens=np.array([tokens]), positions=torch.arange(tokens, device=DEV))
+
+
+def engine(max_reqs: int = 64):
+    sites = SiteTable(expand_patterns(["blocks.*.hook_resid_post", "blocks.*.attn.hook_q",
+                                       "blocks.*.attn.hook_k"], LAYERS))
+    backend = select_backend(DEV)
+    et = allocate(Sizes(max_reqs=max_reqs, max_tokens=2048, max_len=4096,
+                        num_sites=len(sites), hidden=HIDDEN, steer_width=HIDDEN,
+                        dtype=torch.bfloat16, max_steers=4, max_vectors=8, max_captures=8,
+                        capture_rows=16384, capture_width=HIDDEN, pattern_rows=16,
+                        num_heads=32, patterns=False), backend, DEV)
+    cap = CaptureFamily(et.ops.capture, et.capture, et.slots, widths=WIDTHS, backend=backend,
+                        sites=sites, max_len=4096, model_dtype=torch.bfloat16)
+    router = TokenRouter(et.ops)
+    router.capture_graphs([et.ops.capture], 4096)
+    return et, cap, router
+
+
+_JUNK = np.zeros(8 << 20)  # 64 MiB the host walks between cold calls
+
+
+def cold_us(fn, samples: int, quiet: float = 0.02) -> float:
+    """Median host time of one call after the host did other work and slept (a burst's
+    first step comes after the engine waited for requests)."""
+    out = []
+    for _ in range(samples):
+        sync()
+        np.add(_JUNK, 1.0, out=_JUNK)  # evicts the caches, as the frontend's and engine's other work does
+        time.sleep(quiet)
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e6)
+    sync()
+    return round(statistics.median(out), 1)
+
+
+def warm_us(fn, n: int = 200) -> float:
+    for _ in range(20):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    sync()
+    return round(host, 1)
+
+
+def driver_launch():
+    """cuGraphLaunch of a torch graph's executable, skipping torch's replay() (the
+    comparison: how much of a replay is torch's own), or None."""
+    if DEV.type != "cuda" or not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    launch = lib.cuGraphLaunch
+    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+
+    def go(graph):
+        exec_, stream = graph.raw_cuda_graph_exec(), torch.cuda.current_stream().cuda_stream
+        return lambda: launch(exec_, stream)
+    return go
+
+
+def measure(name: str, spec: NormalisedSpec, samples: int) -> dict:
+    et, cap, router = engine()
+    slot, tokens = 3, 256
+    cap.add_request(slot, f"r{slot}", tokens, spec)
+    et.slots.apply()
+    b = batch(tokens, slot)
+    t = et.ops.capture
+    steps = []
+
+    def prepare():
+        plan = cap.plan(b)
+        router.invalidate()
+        router.route(b, positions=True, rows=cap.rows_to_route(plan))
+        cap.route(b, router, plan)
+
+    def collect():
+        part = cap.snapshot()
+        steps.append(StepSnapshots([part]))
+
+    def to_cpu():
+        steps[-1].to_cpu_nonblocking()
+
+    def step():
+        prepare()
+        collect()
+        to_cpu()
+        if len(steps) > 4:
+            steps.pop(0)
+
+    step()
+    sync()
+    rows = int(t.count[0])
+    graphs = router.graphs
+    bucket = graphs.bucket(tokens) if graphs is not None else None
+    pieces = {
+        "step": step, "prepare": prepare, "plan": lambda: cap.plan(b),
+        "route_tokens": lambda: (router.invalidate(), router.route(
+            b, positions=True, rows=cap.rows_to_route(cap.plan(b)))),
+        "tok_pos_copy": lambda: router.t.tok_pos[:tokens].copy_(b.positions[:tokens],
+                                                                non_blocking=True),
+        "route_rows": lambda: cap.route(b, router, cap.plan(b)),
+        "collect": lambda: (collect(), steps.pop(0) if len(steps) > 4 else None),
+        "collect_to_cpu": lambda: (collect(), to_cpu(), steps.pop(0) if len(steps) > 4 else None),
+        "small_launch": lambda: t.count[:1].fill_(0),
+        "pinned_empty_4k": lambda: torch.empty(1024, dtype=torch.int32, pin_memory=DEV.type == "cuda"),
+    }
+    def home(fn):  # the step's rows copied home on the main stream, whatever their size
+        def go():
+            cap.home_bytes = 1 << 30
+            try:
+                fn()
+            finally:
+                del cap.home_bytes
+        return go
+
+    pieces["collect_to_cpu_home"] = home(pieces["collect_to_cpu"])
+    pieces["step_home"] = home(step)
+    if router.staged:
+        pieces["stage_layout"] = lambda: router._stage_layout(b, 1)
+    if graphs is not None:
+        both = graphs._both[id(t)][bucket]
+        pieces["replay_both"] = both.replay
+        pieces["replay_tokens"] = graphs._tokens[bucket].replay
+        go = driver_launch()
+        if go is not None:
+            pieces["driver_launch_both"] = go(both)
+    out = {"workload": name, "device": torch.cuda.get_device_name() if DEV.type == "cuda"
+           else "cpu", "rows_routed": rows, "cold_us": {}, "warm_us": {}}
+    for key, fn in pieces.items():
+        out["cold_us"][key] = cold_us(fn, samples)
+        out["warm_us"][key] = warm_us(fn)
+        step()  # the tables as a step leaves them
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=40)
+    args = ap.parse_args()
+    results = []
+    for name, spec in specs().items():
+        r = measure(name, spec, args.samples)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    out = Path(os.environ.get("OUT", "."))
+    (out / "first-step-host.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
