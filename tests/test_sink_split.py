@@ -113,8 +113,8 @@ def test_the_capture_family_narrows_the_columns_a_step_copies():
     assert CaptureFamily.columns is not RowFamily.columns
     family = object.__new__(CaptureFamily)
     family._cols = {0: 256, 1: 512, 2: 1536}
-    assert family.columns([0, 1], hi=10) == 512
-    assert family.columns([], hi=10) == 0
+    assert family.columns([0, 1], batch=None) == 512
+    assert family.columns([], batch=None) == 0
 
 
 class Event:

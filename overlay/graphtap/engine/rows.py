@@ -20,7 +20,7 @@ from graphtap.engine.family import FamilyBase
 from graphtap.engine.heads import HeadSplit, sum_over_ranks
 from graphtap.engine.slots import SlotBlock
 from graphtap.engine.tables import EntryFields
-from graphtap.engine.wanted import Wants, WantTable, positions_end, rows_in_step
+from graphtap.engine.wanted import Wants, WantTable, rows_in_step
 from graphtap.ops.tables import LABELS, Label, RowTables
 from graphtap.spec.entries import NormalisedSpec
 from graphtap.spec.positions import runs_bitmap
@@ -77,7 +77,7 @@ class RowFamily(FamilyBase):
         self._slot_of: dict[str, int] = {}
         self._wanted: dict[str, Wants] = {}  # req_id -> positions its entries want
         self._table = WantTable(max_len)  # every live request's, vectorised over a batch
-        # (slot -> req_id, row bound, positions end, rows summed over ranks) of the step
+        # (slot -> req_id, row bound, its input batch, rows summed over ranks) of the step
         self._step: tuple | None = None
         self._idle = True
         # the host mirror's site and position fields (views of a block that never moves)
@@ -119,9 +119,9 @@ class RowFamily(FamilyBase):
     # them is cheap: not a probe's, which hold their weights).
     remember_plans = True
 
-    def columns(self, slots, hi: int) -> int | None:
+    def columns(self, slots, batch) -> int | None:
         """Buffer columns the step's rows can use (slots: the batch's requests with
-        entries; hi: past the step's last position); None: all."""
+        entries; batch: the step's input batch); None: all."""
         return None
 
     def split_rows(self, slots) -> bool:
@@ -251,7 +251,7 @@ class RowFamily(FamilyBase):
         split = self.split is not None and self.split_rows(in_batch)
         if split:  # each rank writes its heads' values only (engine/heads.py)
             self.t.buf[:bound].zero_()
-        self._step = (in_batch, bound, positions_end(input_batch, self.max_len), split)
+        self._step = (in_batch, bound, input_batch, split)
 
     def deactivate(self) -> None:
         if not self._idle:
@@ -268,8 +268,8 @@ class RowFamily(FamilyBase):
         and count on vLLM's output copy stream."""
         if self._step is None:
             return None
-        slot_to_req, bound, hi, split = self._step
-        rows = self.t.buf[:bound, :self.columns(slot_to_req, hi)]
+        slot_to_req, bound, batch, split = self._step
+        rows = self.t.buf[:bound, :self.columns(slot_to_req, batch)]
         # the family's own per-slot dicts (replaced, never changed, when a slot is
         # refilled): one entry per request, not per request and site
         formats = {s: self._formats[s] for s in slot_to_req}

@@ -52,7 +52,7 @@ class CaptureFamily(RowFamily):
         width, head_dim = self.widths[entry.kind]
         return RowFormat(dtype, width, entry.heads, head_dim), 1  # one row per token
 
-    def columns(self, slots, hi: int) -> int:
+    def columns(self, slots, batch) -> int:
         # A row spans the widest configured site (Qwen2-1.5B: 1536 columns) where k rows
         # of 2 chosen heads read 256: copying whole rows home moved 6x the bytes of a qk
         # prefill step. Every request of the batch with entries counts, wanting rows now

@@ -42,5 +42,5 @@ class MassFamily(RowFamily):
     def describe(self, entry, dtype: torch.dtype) -> tuple[MassFormat, int]:
         return MassFormat(len(entry.heads), len(entry.spans)), len(entry.heads)
 
-    def columns(self, slots, hi: int) -> int:
+    def columns(self, slots, batch) -> int:
         return max((f.spans for s in slots for f in self._formats[s].values()), default=0)

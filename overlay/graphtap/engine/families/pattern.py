@@ -8,6 +8,7 @@ import torch
 from graphtap.courier import OverflowKind, PatternFormat, PatternStep
 from graphtap.courier.patterns import HOST_LABELS
 from graphtap.engine.rows import RowFamily
+from graphtap.engine.wanted import positions_end
 from graphtap.ops.pattern import key_cache_view
 from graphtap.ops.tables import KeyCache
 from graphtap.spec.entries import NormalisedSpec
@@ -38,8 +39,9 @@ class PatternFamily(RowFamily):
     def describe(self, entry, dtype: torch.dtype) -> tuple[PatternFormat, int]:
         return PatternFormat(dtype, len(entry.heads)), len(entry.heads)  # a row per head
 
-    def columns(self, slots, hi: int) -> int:
-        return hi  # a pattern row spans max_model_len keys; no step reaches past hi
+    def columns(self, slots, batch) -> int:
+        # a pattern row spans max_model_len keys; no step reaches past its last position
+        return positions_end(batch, self.max_len)
 
     def bind_kv_caches(self, layers: list) -> None:
         """Each pattern site's layer: its paged keys and its group's block table."""

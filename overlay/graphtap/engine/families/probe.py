@@ -68,7 +68,7 @@ class ProbeFamily(RowFamily):
     def split_rows(self, slots) -> bool:
         return False  # residual scores, whole on every rank
 
-    def columns(self, slots, hi: int) -> int:
+    def columns(self, slots, batch) -> int:
         return max((f.width for s in slots for f in self._formats[s].values()), default=0)
 
     def add_request(self, slot: int, req_id: str, prompt_len: int,
