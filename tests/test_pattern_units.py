@@ -397,3 +397,47 @@ def test_attention_mass_entry():
     assert m.name == "mass:blocks.1.attn.hook_pattern" and m.heads == (1, 3)
     assert [(s.start, s.end) for s in m.spans] == [(0, 4), (10, 64)]
     assert m.positions == "last_prompt" and spec.captures_anything
+
+
+def test_a_single_qk_prefill_goes_home_on_the_main_stream():
+    """A burst's first qk step (one request: q at its last prompt token and k at each of
+    256, 4 layers x 4 of 8 kv heads of 128, Llama-3-8B: 1028 rows of 512 bf16 columns,
+    just over 1 MiB) is copied home in the snapshot (two host copies), not cloned and
+    copied home later (two clones, then two copies on two streams and an event): every
+    other request of the burst waits behind that step's host calls. A step of two such
+    requests still goes the clone way."""
+    from graphtap.engine.families.capture import CaptureFamily
+    from graphtap.ops.route import route_rows_reference
+    from graphtap.spec import CaptureEntry
+    from graphtap.spec.sites import SiteTable, expand_patterns
+
+    sites = SiteTable(expand_patterns(["blocks.*.attn.hook_q", "blocks.*.attn.hook_k"], 32))
+    et = engine_tables(max_reqs=4, max_tokens=512, max_len=512, num_sites=len(sites),
+                       hidden=4096, dtype=torch.bfloat16, max_captures=8,
+                       capture_rows=4096, capture_width=4096, patterns=False)
+    f = CaptureFamily(et.ops.capture, et.capture, et.slots,
+                      widths={"attn_q": (4096, 128), "attn_k": (1024, 128)}, backend=TORCH,
+                      sites=sites, max_len=512, model_dtype=torch.bfloat16)
+    heads = (0, 1, 2, 3)
+    qk = NormalisedSpec(capture=tuple(e for layer in (4, 8, 16, 24) for e in (
+        CaptureEntry(layer, "attn_q", f"blocks.{layer}.attn.hook_q", "model", heads,
+                     "last_prompt"),
+        CaptureEntry(layer, "attn_k", f"blocks.{layer}.attn.hook_k", "model", heads,
+                     "prompt"))))
+    for reqs, home in ((1, True), (2, False)):
+        for r in range(reqs):
+            f.add_request(r, f"r{r}", 256, qk)
+        et.slots.apply()
+        n = 256 * reqs
+        slots = torch.arange(n) // 256
+        batch = SimpleNamespace(req_ids=[f"r{r}" for r in range(reqs)],
+                                num_tokens_after_padding=n, positions=torch.arange(n) % 256,
+                                num_scheduled_tokens=np.full(reqs, 256))
+
+        def route_rows(t, b, max_len, slots=slots, n=n, batch=batch):
+            route_rows_reference(t, slots, slots, batch.positions, max_len)
+        f.route(batch, SimpleNamespace(route_rows=route_rows), f.plan(batch))
+        snap = f.snapshot()
+        assert snap.rows.shape == (1028 * reqs, 512) and snap.home is home, reqs
+        for r in range(reqs):
+            f.remove_request(f"r{r}")

@@ -112,8 +112,11 @@ class RowFamily(FamilyBase):
     def write_extra(self, slot: int, i: int, entry) -> None:
         """Fields beyond site and positions (patterns: the chosen heads)."""
 
-    # A step's rows up to this many bytes go home on the main stream (snapshot)
-    home_bytes = 1 << 20
+    # A step's rows up to this many bytes go home on the main stream (snapshot): a
+    # burst's first qk step (one request, 1028 rows of 512 bf16 columns, just over 1
+    # MiB) too, whose host calls every later request of the burst waits behind; its
+    # copy is some tens of microseconds of the link beside a step of milliseconds
+    home_bytes = 2 << 20
 
     # Whether a request's entries may key the family's remembered EntryPlans (hashing
     # them is cheap: not a probe's, which hold their weights).
