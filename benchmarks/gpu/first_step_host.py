@@ -26,6 +26,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from benchmarks.gpu.route_launch import DEV, sync
+from benchmarks.gpu.route_launch import host_us as warm_us  # a tight loop
 from graphtap.courier import StepSnapshots
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.router import TokenRouter
@@ -34,15 +36,9 @@ from graphtap.ops.backend import select_backend
 from graphtap.spec import CaptureEntry, NormalisedSpec
 from graphtap.spec.sites import SiteTable, expand_patterns
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run
 LAYERS, HIDDEN, HEAD_DIM, KV = 32, 4096, 128, 8
 WIDTHS = {"resid_post": (HIDDEN, 0), "attn_q": (HIDDEN, HEAD_DIM),
           "attn_k": (KV * HEAD_DIM, HEAD_DIM)}
-
-
-def sync() -> None:
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def specs() -> dict[str, NormalisedSpec]:
@@ -100,18 +96,6 @@ def cold_us(fn, samples: int, quiet: float = 0.02) -> float:
         out.append((time.perf_counter() - t) * 1e6)
     sync()
     return round(statistics.median(out), 1)
-
-
-def warm_us(fn, n: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    sync()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    sync()
-    return round(host, 1)
 
 
 def driver_launch():
