@@ -385,3 +385,13 @@ def test_serve_bench_quick(tmp_path):
     assert all(r["median_tpot_ms"] > 0 for r in data["runs"])
     md = (tmp_path / "serve-bench-tiny-quick.md").read_text()
     assert "| steer | 4/4 |" in md and "| stock | 4/4 |" in md, md
+
+
+def test_first_step_host_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu/first_step_host.py (issue 18's first hooked step, piece by piece)
+    runs its pieces on the CPU: the steps route what hs and qk ask (3 and 1028 rows)."""
+    res = bench("first_step_host", "--samples", 1, env={**os.environ, "OUT": str(tmp_path)})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = {r["workload"]: r for r in json.loads((tmp_path / "first-step-host.json").read_text())}
+    assert {k: r["rows_routed"] for k, r in out.items()} == {"hs": 3, "qk": 1028}
+    assert all(v > 0 for r in out.values() for v in r["warm_us"].values())
