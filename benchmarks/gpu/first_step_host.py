@@ -89,7 +89,8 @@ def cold_us(fn, samples: int, quiet: float = 0.02) -> float:
     out = []
     for _ in range(samples):
         sync()
-        np.add(_JUNK, 1.0, out=_JUNK)  # evicts the caches, as the frontend's and engine's other work does
+        # evicts the caches, as the frontend's and the engine's other work does
+        np.add(_JUNK, 1.0, out=_JUNK)
         time.sleep(quiet)
         t = time.perf_counter()
         fn()
@@ -160,7 +161,8 @@ def measure(name: str, spec: NormalisedSpec, samples: int) -> dict:
         "collect": lambda: (collect(), steps.pop(0) if len(steps) > 4 else None),
         "collect_to_cpu": lambda: (collect(), to_cpu(), steps.pop(0) if len(steps) > 4 else None),
         "small_launch": lambda: t.count[:1].fill_(0),
-        "pinned_empty_4k": lambda: torch.empty(1024, dtype=torch.int32, pin_memory=DEV.type == "cuda"),
+        "pinned_empty_4k": lambda: torch.empty(1024, dtype=torch.int32,
+                                               pin_memory=DEV.type == "cuda"),
     }
     def home(fn):  # the step's rows copied home on the main stream, whatever their size
         def go():

@@ -220,8 +220,8 @@ class LabelledStep:
         # counts and lost rows seen on the H200 before this). Released in per_request,
         # which runs after the copy event.
         head, self._head = self._head, None
-        self._device = (self.rows, self.labels, self.count, self.tokens,
-                        None if head is None else head.block)
+        # (a head's count and labels are views: they hold its block)
+        self._device = (self.rows, self.labels, self.count, self.tokens)
         # The rows last: queued before the labels and count, vLLM's copy event came only
         # once the rows were home, in 20 steps of 20; queued after them, it came before
         # the rows were home in 20 steps of 20 (check_staging.check_rows_stream, H100)

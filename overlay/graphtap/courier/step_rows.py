@@ -17,7 +17,7 @@ class Head(NamedTuple):
     loop, which a burst's every first token waits behind)."""
 
     block: torch.Tensor  # count, then from `at` the used rows' labels, every column
-    count: int  # count's length
+    count_len: int  # count's length
     at: int  # where the labels begin
     columns: int  # the label columns the courier reads
 
@@ -26,7 +26,7 @@ class Head(NamedTuple):
         b = self.block if block is None else block
         # two as_strided calls, not four slices and views: half the time on the busy loop
         at = b.storage_offset()
-        return b.as_strided((self.count,), (1,), at), b.as_strided(
+        return b.as_strided((self.count_len,), (1,), at), b.as_strided(
             ((b.numel() - self.at) // LABELS, self.columns), (LABELS, 1), at + self.at)
 
 
