@@ -199,6 +199,21 @@ def _sink_check(group: dict) -> str:
     return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
+def _first_step(group: dict) -> str:
+    """first_step_host.py's pieces, cold and warm, one column pair per overlay."""
+    d = json.loads((RESULTS / group["files"][0]).read_text())
+    names = list(d["overlays"])
+    lines = ["| workload | piece | " + " | ".join(f"{n} cold / warm (us)" for n in names) + " |",
+             "|---" * (2 + len(names)) + "|"]
+    runs = [{r["workload"]: r for r in d["overlays"][n]} for n in names]
+    for workload, first in runs[0].items():
+        for piece in first["cold_us"]:
+            cells = [f"{r[workload]['cold_us'].get(piece, '–')} / "
+                     f"{r[workload]['warm_us'].get(piece, '–')}" for r in runs]
+            lines.append(f"| {workload} | {piece} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _ttft(group: dict) -> str:
     """Per file, load and mode: TTFT of bursts (tpot_stats.ttft_by_position)."""
     lines = ["| file | load | mode | reps | TTFT median (ms) | vs idle, paired by position "
@@ -224,7 +239,8 @@ def _ttft(group: dict) -> str:
 
 
 RENDER = {"sink": _sink, "sink-check": _sink_check, "ttft": _ttft, "demo": _demo, "check": _check, "tpot": _tpot,
-          "capture": _capture, "profile": _profile, "soak": _soak, "kernels": _kernels}
+          "capture": _capture, "profile": _profile, "soak": _soak, "kernels": _kernels,
+          "first-step": _first_step}
 
 
 def readme() -> str:
