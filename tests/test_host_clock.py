@@ -6,6 +6,8 @@ from graphtap.profiling import HostClock
 
 
 def test_phases_count_calls_wall_cpu_and_slow_calls():
+    # Only what holds on a loaded machine: a preempted call of microseconds may take
+    # over 1 ms of wall time (it did once in CI), so the threshold is checked apart
     clock = HostClock()
     for _ in range(3):
         with clock.phase("prepare_step"):
@@ -14,11 +16,21 @@ def test_phases_count_calls_wall_cpu_and_slow_calls():
         time.sleep(0.005)  # waiting: wall time the thread did not spend on CPU
     s = clock.stats()
     assert s["prepare_step_calls_total"] == 3 and s["per_request_calls_total"] == 1
-    assert s["prepare_step_over_1ms_total"] == 0 and s["per_request_over_1ms_total"] == 1
+    assert s["per_request_over_1ms_total"] == 1
     assert s["per_request_wall_ms_total"] >= 5.0
     assert s["per_request_cpu_ms_total"] < s["per_request_wall_ms_total"] - 3.0
     assert 0 < s["prepare_step_cpu_ms_total"] <= s["prepare_step_wall_ms_total"] + 0.5
     assert all(k.endswith("_total") for k in s)  # bench_tpot records *_total keys per run
+
+
+def test_a_call_of_1ms_or_more_is_counted_slow():
+    clock = HostClock()
+    clock.add("collect", 999_999, 999_999)
+    clock.add("collect", 1_000_000, 10)
+    clock.add("collect", 2_500_000, 2_400_000)
+    s = clock.stats()
+    assert s["collect_calls_total"] == 3 and s["collect_over_1ms_total"] == 2
+    assert s["collect_wall_ms_total"] == 4.5 and s["collect_cpu_ms_total"] == 3.4
 
 
 def test_a_phase_that_raises_is_still_counted_and_the_error_goes_on():
