@@ -214,6 +214,23 @@ def _first_step(group: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _trace_steps(group: dict) -> str:
+    """trace_summary.py --json: per traced burst and step, the device's idle time and
+    graphtap's share of it, with what else the busy loop ran meanwhile."""
+    d = json.loads((RESULTS / group["files"][0]).read_text())
+    lines = ["| trace | step | span (ms) | device idle (ms) | of it graphtap's (ms) | "
+             "the rest, most first (ms) |", "|---" * 6 + "|"]
+    for t in d["traces"]:
+        for s in t["steps"]:
+            rest = sorted(((n, us) for n, us in s["idle_us_by_host"].items()
+                           if not n.startswith("graphtap.")), key=lambda x: -x[1])[:3]
+            lines.append(f"| {t['trace']} | {s['step'].split('_generation')[0]} | "
+                         f"{s['span_ms']:.1f} | {s['device_idle_ms']:.2f} | "
+                         f"{s['graphtap_ms']:.2f} | " +
+                         ", ".join(f"{n} {us / 1e3:.2f}" for n, us in rest) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _ttft(group: dict) -> str:
     """Per file, load and mode: TTFT of bursts (tpot_stats.ttft_by_position)."""
     lines = ["| file | load | mode | reps | TTFT median (ms) | vs idle, paired by position "
@@ -240,7 +257,7 @@ def _ttft(group: dict) -> str:
 
 RENDER = {"sink": _sink, "sink-check": _sink_check, "ttft": _ttft, "demo": _demo, "check": _check, "tpot": _tpot,
           "capture": _capture, "profile": _profile, "soak": _soak, "kernels": _kernels,
-          "first-step": _first_step}
+          "first-step": _first_step, "trace-steps": _trace_steps}
 
 
 def readme() -> str:

@@ -4,7 +4,9 @@ name, graphtap's kernels told apart, and the window's device-busy time and idle 
 import gzip
 import json
 
-from benchmarks.gpu.trace_summary import busy_and_gaps, summarise
+import pytest
+
+from benchmarks.gpu.trace_summary import busy_and_gaps, gaps_by_host, gaps_by_step, summarise
 
 
 def test_busy_time_counts_overlaps_once_and_lists_gaps():
@@ -59,3 +61,32 @@ def test_ops_inside_graphtaps_ranges(tmp_path, capsys):
     assert "inside graphtap.collect: 1 calls, 0.500 ms" in line
     assert "aten::clone 2x 0.100" in line and "cudaMemcpyAsync 1x 0.010" in line
     assert "aten::add" not in line and "aten::mul" not in line
+
+
+def test_device_gaps_laid_over_the_busy_loop():
+    """--gaps-from: each stretch of device idle time goes to the busy loop's innermost
+    graphtap range there, else its outermost torch op, else its innermost other range
+    (vLLM's step), else "(python)"; another thread's ops and time the device is busy
+    count for nothing."""
+    def x(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+    ev = [x("kernel", "gemm", 0, 100, 7), x("gpu_memcpy", "Memcpy HtoD", 300, 100, 7),
+          x("kernel", "gemm", 1000, 100, 7),
+          x("user_annotation", "graphtap.prepare_step", 100, 150),
+          x("cpu_op", "aten::copy_", 250, 100),  # 300-350 under the copy: not idle
+          x("cpu_op", "aten::empty", 260, 10),  # inside copy_: copy_ is what is named
+          x("user_annotation", "graphtap.collect", 400, 200),
+          x("cpu_op", "aten::index", 400, 100),  # inside collect: the range is named
+          x("cpu_op", "aten::add", 700, 100, tid=2)]
+    where = gaps_by_host(ev, 0, 2000, top=5)
+    assert where == pytest.approx({"graphtap.prepare_step": 150, "aten::copy_": 50,
+                                   "graphtap.collect": 200, "(python)": 1300}, abs=0.01)
+    # per vLLM step range on the busy loop: up to the next one's start, then the window's
+    steps = gaps_by_step(ev + [x("user_annotation", "execute_context_1(256)", 0, 390),
+                               x("user_annotation", "execute_context_8(2047)", 390, 900)],
+                         0, 1100, top=5)
+    assert [s["idle_us_by_host"] for s in steps] == [
+        {"graphtap.prepare_step": 150, "aten::copy_": 50},
+        {"graphtap.collect": 200, "execute_context_8(2047)": 400}]
+    assert [(s["span_ms"], s["device_idle_ms"], s["graphtap_ms"]) for s in steps] == [
+        (0.39, 0.2, 0.15), (0.71, 0.6, 0.2)]

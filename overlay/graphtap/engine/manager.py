@@ -220,7 +220,7 @@ class EngineHooks(HookManager):
 
     # ---------------------------------------------------------------- requests
     def add_request(self, req_index, new_req_data) -> None:
-        with self.clock.phase("add_request"):
+        with named("graphtap.add_request"), self.clock.phase("add_request"):
             params = new_req_data.sampling_params
             spec = self.wire_specs(params.hooks if params is not None else None)
             for family in self.families:
@@ -246,7 +246,7 @@ class EngineHooks(HookManager):
             self.router.invalidate()  # the slot's meaning changed
 
     def remove_request(self, req_id) -> None:
-        with self.clock.phase("remove_request"):
+        with named("graphtap.remove_request"), self.clock.phase("remove_request"):
             self._guards.pop(req_id, None)
             self._stops.discard(req_id)
             if self.hold is not None:  # unfinished (preempted, aborted): its chunks go
@@ -255,7 +255,7 @@ class EngineHooks(HookManager):
                 family.remove_request(req_id)
 
     def apply_staged_writes(self) -> None:
-        with self.clock.phase("apply_staged_writes"):
+        with named("graphtap.apply_staged_writes"), self.clock.phase("apply_staged_writes"):
             self.slots.apply()
             for family in self.families:
                 family.apply_staged_writes()
