@@ -217,14 +217,14 @@ def _first_step(group: dict) -> str:
 def _trace_steps(group: dict) -> str:
     """trace_summary.py --json: per traced burst and step, the device's idle time and
     graphtap's share of it, with what else the busy loop ran meanwhile."""
-    d = json.loads((RESULTS / group["files"][0]).read_text())
-    lines = ["| trace | step | span (ms) | device idle (ms) | of it graphtap's (ms) | "
-             "the rest, most first (ms) |", "|---" * 6 + "|"]
-    for t in d["traces"]:
-        for s in t["steps"]:
+    lines = ["| file | trace | step | span (ms) | device idle (ms) | of it graphtap's (ms) | "
+             "the rest, most first (ms) |", "|---" * 7 + "|"]
+    for name in group["files"]:
+        d = json.loads((RESULTS / name).read_text())
+        for t, s in ((t, s) for t in d["traces"] for s in t["steps"]):
             rest = sorted(((n, us) for n, us in s["idle_us_by_host"].items()
                            if not n.startswith("graphtap.")), key=lambda x: -x[1])[:3]
-            lines.append(f"| {t['trace']} | {s['step'].split('_generation')[0]} | "
+            lines.append(f"| {name} | {t['trace']} | {s['step'].split('_generation')[0]} | "
                          f"{s['span_ms']:.1f} | {s['device_idle_ms']:.2f} | "
                          f"{s['graphtap_ms']:.2f} | " +
                          ", ".join(f"{n} {us / 1e3:.2f}" for n, us in rest) + " |")
