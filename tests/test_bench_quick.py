@@ -390,8 +390,19 @@ def test_serve_bench_quick(tmp_path):
 def test_first_step_host_runs_on_the_cpu(tmp_path):
     """benchmarks/gpu/first_step_host.py (issue 18's first hooked step, piece by piece)
     runs its pieces on the CPU: the steps route what hs and qk ask (3 and 1028 rows)."""
-    res = bench("first_step_host", "--samples", 1, env={**os.environ, "OUT": str(tmp_path)})
+    env = {**os.environ, "OUT": str(tmp_path)}
+    res = bench("first_step_host", "--samples", 1, "--label", "before", env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = {r["workload"]: r for r in json.loads((tmp_path / "first-step-host.json").read_text())}
+    data = json.loads((tmp_path / "first-step-host.json").read_text())
+    out = {r["workload"]: r for r in data["overlays"]["before"]}
     assert {k: r["rows_routed"] for k, r in out.items()} == {"hs": 3, "qk": 1028}
     assert all(v > 0 for r in out.values() for v in r["warm_us"].values())
+    # a second overlay's run adds its column (results_readme renders both); another
+    # sample count is another measurement and does not mix with the file's
+    assert bench("first_step_host", "--samples", 1, "--label", "after",
+                 env=env).returncode == 0
+    data = json.loads((tmp_path / "first-step-host.json").read_text())
+    assert (data["device"], data["samples"], list(data["overlays"])) == \
+        ("cpu", 1, ["before", "after"])
+    res = bench("first_step_host", "--samples", 2, env=env)
+    assert res.returncode != 0 and "with 1 samples" in res.stdout + res.stderr

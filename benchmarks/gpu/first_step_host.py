@@ -8,9 +8,12 @@ queued) and each call in it, timed "cold" (one call after the host did other wor
 while, as a burst's first step comes after a quiet engine) and "warm" (a tight loop).
 Needs torch and Triton only:
 
-    PYTHONPATH=overlay python3 -m benchmarks.gpu.first_step_host [--samples 40]
+    PYTHONPATH=overlay python3 -m benchmarks.gpu.first_step_host [--samples 40] [--label L]
 
-Prints one JSON line per workload and writes $OUT/first-step-host.json.
+Prints one JSON line per workload and writes $OUT/first-step-host.json as
+{"device", "samples", "overlays": {label: [per workload]}} (what
+benchmarks/results_readme.py renders): a run with another --label (another overlay on
+PYTHONPATH, on the same device and samples) adds its column to the same file.
 """
 from __future__ import annotations
 
@@ -196,15 +199,34 @@ def measure(name: str, spec: NormalisedSpec, samples: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=40)
+    ap.add_argument("--label", default="overlay",
+                    help="this run's column (the overlay's commit, say)")
     args = ap.parse_args()
+    path = Path(os.environ.get("OUT", ".")) / "first-step-host.json"
+    device = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+    kept = merged_with(path, device, args.samples)  # before the run: a mismatch stops it
     results = []
     for name, spec in specs().items():
         r = measure(name, spec, args.samples)
         print(json.dumps(r), flush=True)
         results.append(r)
-    out = Path(os.environ.get("OUT", "."))
-    (out / "first-step-host.json").write_text(json.dumps(results, indent=1))
+    kept["overlays"][args.label] = results
+    path.write_text(json.dumps(kept, indent=1))
     return 0
+
+
+def merged_with(path: Path, device: str, samples: int) -> dict:
+    """The file's runs so far, to add this one's column to: only runs of the same device
+    and sample count compare (a column from another machine would read as a change)."""
+    fresh = {"device": device, "samples": samples, "overlays": {}}
+    if not path.exists():
+        return fresh
+    kept = json.loads(path.read_text())
+    if (kept.get("device"), kept.get("samples")) != (device, samples):
+        raise SystemExit(f"{path} holds runs of {kept.get('device')!r} with "
+                         f"{kept.get('samples')} samples, not {device!r} with {samples}: "
+                         f"move it away or give the same --samples on the same device")
+    return kept
 
 
 if __name__ == "__main__":
