@@ -71,3 +71,37 @@ def test_the_timeline_holds_each_call_on_the_requests_clock_until_read():
         with clock.phase("collect"):
             pass
     assert len(clock.timeline()) == TIMELINE
+
+
+def test_garbage_collections_join_the_timeline_and_the_counts():
+    """watch_gc: each collection of the process as a phase gc0..gc2 (start and wall on
+    the timeline's clock, among the phases by start; calls and wall in stats), for
+    every watching clock; a clock that is gone leaves no callback behind once another
+    registers."""
+    import gc
+
+    def ours():
+        return [c for c in gc.callbacks if hasattr(c, "graphtap_watch")]
+
+    before = len(ours())
+    a, b = HostClock(), HostClock()
+    a.watch_gc()
+    b.watch_gc()
+    a.watch_gc()  # once per clock
+    assert len(ours()) == before + 2
+    with a.phase("prepare_step"):
+        pass
+    gc.collect()  # a full collection: generation 2
+    with a.phase("collect"):
+        pass
+    names = [c[0] for c in a.timeline()]
+    assert names == ["prepare_step", "gc2", "collect"], names
+    assert [c[0] for c in b.timeline()] == ["gc2"]
+    stats = a.stats()
+    assert stats["gc2_calls_total"] == 1 and stats["gc2_wall_ms_total"] > 0
+    assert {"gc0_calls_total", "gc1_calls_total"} <= set(stats)
+    del a, b
+    gc.collect()
+    HostClock().watch_gc()  # drops the two dead ones; its own is dead at once too
+    HostClock().watch_gc()
+    assert len(ours()) == before + 1

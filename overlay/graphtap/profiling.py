@@ -18,11 +18,18 @@ process would share.
 It also keeps the last TIMELINE calls as a timeline (phase, start, wall time), on
 CLOCK_MONOTONIC: the clock of vLLM's request timestamps (scheduled, first token), so a
 request's first-token window can be laid over the phases that ran in it
-(benchmarks/gpu/first_token.py)."""
+(benchmarks/gpu/first_token.py).
+
+watch_gc() adds the process's garbage collections to it ("gc0".."gc2", timeline and
+stats): a collection holds the GIL, so it stops the busy loop whichever of the
+engine core's threads set it off, and a hooked burst allocates more objects than a
+plain one."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+import weakref
 from collections import defaultdict, deque
 
 import torch
@@ -70,6 +77,7 @@ class HostClock:
         self._slow: defaultdict[str, int] = defaultdict(int)
         # (phase, start, wall) in ns, start on perf_counter: CLOCK_MONOTONIC on Linux
         self.calls: deque[tuple[str, int, int]] = deque(maxlen=TIMELINE)
+        self._gc: GcWatch | None = None
 
     def phase(self, name: str) -> _Phase:
         p = self._phases.get(name)
@@ -84,12 +92,19 @@ class HostClock:
         if wall_ns >= SLOW_NS:
             self._slow[name] += 1
 
+    def watch_gc(self) -> None:
+        """Time this process's collections too (GcWatch), while this clock lives."""
+        if self._gc is None:
+            self._gc = GcWatch()
+            self._gc.register()
+
     def timeline(self) -> list[tuple[str, float, float]]:
         """The calls since the last look, oldest first: (phase, start in seconds of
         time.monotonic, wall ms); the timeline is empty after."""
-        out = [(name, start / 1e9, wall / 1e6) for name, start, wall in self.calls]
-        self.calls.clear()
-        return out
+        calls = [self.calls.popleft() for _ in range(len(self.calls))]
+        if self._gc is not None:
+            calls = sorted(calls + self._gc.drain(), key=lambda c: c[1])
+        return [(name, start / 1e9, wall / 1e6) for name, start, wall in calls]
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
@@ -98,4 +113,55 @@ class HostClock:
             out[f"{name}_wall_ms_total"] = round(self._wall[name] / 1e6, 3)
             out[f"{name}_cpu_ms_total"] = round(self._cpu[name] / 1e6, 3)
             out[f"{name}_over_1ms_total"] = self._slow[name]
+        if self._gc is not None:
+            for g, (calls, wall) in enumerate(zip(self._gc.count, self._gc.wall_ns)):
+                out[f"gc{g}_calls_total"] = calls
+                out[f"gc{g}_wall_ms_total"] = round(wall / 1e6, 3)
         return out
+
+
+class GcWatch:
+    """The process's garbage collections, timed (gc.callbacks), for one clock. Kept apart
+    from the clock's phase counters: a collection, and so this callback, can start in
+    any allocation, also one made while those counters are being read. The callback
+    holds the watch weakly: an engine that is gone leaves a no-op behind, which the
+    next registration drops."""
+
+    def __init__(self) -> None:
+        self._start = 0
+        self.count = [0, 0, 0]
+        self.wall_ns = [0, 0, 0]
+        self.calls: deque[tuple[str, int, int]] = deque(maxlen=TIMELINE)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter_ns()
+        elif self._start:
+            wall = time.perf_counter_ns() - self._start
+            g = info["generation"]
+            self.count[g] += 1
+            self.wall_ns[g] += wall
+            self.calls.append((_GC_NAMES[g], self._start, wall))
+            self._start = 0
+
+    def drain(self) -> list[tuple[str, int, int]]:
+        return [self.calls.popleft() for _ in range(len(self.calls))]
+
+    def register(self) -> None:
+        ref = weakref.ref(self)
+
+        def callback(phase: str, info: dict) -> None:
+            watch = ref()
+            if watch is not None:
+                watch(phase, info)
+        callback.graphtap_watch = ref
+        gc.callbacks[:] = [c for c in gc.callbacks
+                           if getattr(c, "graphtap_watch", _ALIVE)() is not None]
+        gc.callbacks.append(callback)
+
+
+_GC_NAMES = ("gc0", "gc1", "gc2")
+
+
+def _ALIVE() -> bool:  # another library's callback: kept
+    return True

@@ -172,6 +172,7 @@ class EngineHooks(HookManager):
         # them (patch 0008) arrives, so their values all travel inside the message.
         self._stops: set[str] = set()
         self.clock = HostClock()  # this engine's host time per phase (stats: "host")
+        self.clock.watch_gc()  # and the process's collections, which stop the busy loop
         self.wire_specs = WireSpecs()  # a burst's requests share a spec: decoded once
         # deferred splits no settle has made (courier/later.py), and whether they travel
         # whole to the frontend (one API server: its requests all go to it)
