@@ -156,12 +156,12 @@ class GcWatch:
                 watch(phase, info)
         callback.graphtap_watch = ref
         gc.callbacks[:] = [c for c in gc.callbacks
-                           if getattr(c, "graphtap_watch", _ALIVE)() is not None]
+                           if getattr(c, "graphtap_watch", _not_ours)() is not None]
         gc.callbacks.append(callback)
 
 
 _GC_NAMES = ("gc0", "gc1", "gc2")
 
 
-def _ALIVE() -> bool:  # another library's callback: kept
+def _not_ours() -> bool:  # another library's callback: kept
     return True
