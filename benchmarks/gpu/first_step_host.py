@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from benchmarks.gpu.host_info import gpu_name
 from benchmarks.gpu.route_launch import DEV, sync
 from benchmarks.gpu.route_launch import host_us as warm_us  # a tight loop
 from graphtap.courier import StepSnapshots
@@ -187,8 +188,8 @@ def measure(name: str, spec: NormalisedSpec, samples: int) -> dict:
         go = driver_launch()
         if go is not None:
             pieces["driver_launch_both"] = go(both)
-    out = {"workload": name, "device": torch.cuda.get_device_name() if DEV.type == "cuda"
-           else "cpu", "rows_routed": rows, "cold_us": {}, "warm_us": {}}
+    out = {"workload": name, "device": gpu_name(), "rows_routed": rows, "cold_us": {},
+           "warm_us": {}}
     for key, fn in pieces.items():
         out["cold_us"][key] = cold_us(fn, samples)
         out["warm_us"][key] = warm_us(fn)
@@ -203,8 +204,7 @@ def main() -> int:
                     help="this run's column (the overlay's commit, say)")
     args = ap.parse_args()
     path = Path(os.environ.get("OUT", ".")) / "first-step-host.json"
-    device = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
-    kept = merged_with(path, device, args.samples)  # before the run: a mismatch stops it
+    kept = merged_with(path, gpu_name(), args.samples)  # before the run: a mismatch stops it
     results = []
     for name, spec in specs().items():
         r = measure(name, spec, args.samples)

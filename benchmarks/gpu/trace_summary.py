@@ -112,7 +112,8 @@ def gaps_by_step(ev: list[dict], lo: float, hi: float, top: int) -> list[dict]:
     loop (the worker's execute_context_* / execute_* annotations) to the next one's,
     graphtap's phases summed apart. Per step: its name, span and device idle time (ms),
     graphtap's share of it and the idle time by what the busy loop ran (us)."""
-    tid = busy_loop_tid(ev)
+    view = busy_loop_view(ev)
+    tid = view[0]
     # a step that began before lo (the burst's first, before its first kernel) from lo
     starts = sorted((max(e["ts"], lo), e["name"]) for e in ev if e.get("tid") == tid and
                     e.get("cat") == "user_annotation" and e["name"].startswith("execute_")
@@ -120,7 +121,7 @@ def gaps_by_step(ev: list[dict], lo: float, hi: float, top: int) -> list[dict]:
     out = []
     for i, (ts, name) in enumerate(starts):
         end = starts[i + 1][0] if i + 1 < len(starts) else hi
-        where = gaps_by_host(ev, ts, end, top, quiet=True)
+        where = gaps_by_host(ev, ts, end, top, quiet=True, view=view)
         ours = sum(us for n, us in where.items() if n.startswith("graphtap."))
         print(f"   step {i + 1} {name[:44]}: {(end - ts) / 1e3:.2f} ms, device idle "
               f"{sum(where.values()) / 1e3:.3f}, graphtap {ours / 1e3:.3f}: " + ", ".join(
@@ -133,16 +134,21 @@ def gaps_by_step(ev: list[dict], lo: float, hi: float, top: int) -> list[dict]:
     return out
 
 
+def busy_loop_view(ev: list[dict]) -> tuple:
+    """(the busy loop's thread, the device's (start, duration) intervals): what every
+    window of gaps_by_host reads, found once per trace."""
+    return busy_loop_tid(ev), [(e["ts"], e.get("dur", 0)) for e in ev
+                               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
 def gaps_by_host(ev: list[dict], lo: float, hi: float, top: int,
-                 quiet: bool = False) -> dict[str, float]:
+                 quiet: bool = False, view: tuple | None = None) -> dict[str, float]:
     """The device's idle time in [lo, hi) laid over what the busy loop's thread was doing
     then: graphtap's innermost profiler range, else the outermost torch op, else the
     innermost other range (vLLM's step, torch.compile's region), else "(python)". A
     hooked burst's first steps are host-bound, so its added device idle time, by what
     the host ran meanwhile, is what its first tokens wait for."""
-    device = [(e["ts"], e.get("dur", 0)) for e in ev
-              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    tid = busy_loop_tid(ev)
+    tid, device = view if view is not None else busy_loop_view(ev)
     mine = sorted((e for e in ev if e.get("tid") == tid and e.get("cat") in
                    ("user_annotation", "cpu_op") and e["ts"] < hi
                    and e["ts"] + e.get("dur", 0) > lo), key=lambda e: e["ts"])

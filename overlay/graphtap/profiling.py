@@ -101,9 +101,9 @@ class HostClock:
     def timeline(self) -> list[tuple[str, float, float]]:
         """The calls since the last look, oldest first: (phase, start in seconds of
         time.monotonic, wall ms); the timeline is empty after."""
-        calls = [self.calls.popleft() for _ in range(len(self.calls))]
+        calls = _drain(self.calls)
         if self._gc is not None:
-            calls = sorted(calls + self._gc.drain(), key=lambda c: c[1])
+            calls = sorted(calls + _drain(self._gc.calls), key=lambda c: c[1])
         return [(name, start / 1e9, wall / 1e6) for name, start, wall in calls]
 
     def stats(self) -> dict[str, int | float]:
@@ -144,9 +144,6 @@ class GcWatch:
             self.calls.append((_GC_NAMES[g], self._start, wall))
             self._start = 0
 
-    def drain(self) -> list[tuple[str, int, int]]:
-        return [self.calls.popleft() for _ in range(len(self.calls))]
-
     def register(self) -> None:
         ref = weakref.ref(self)
 
@@ -161,6 +158,12 @@ class GcWatch:
 
 
 _GC_NAMES = ("gc0", "gc1", "gc2")
+
+
+def _drain(calls: deque) -> list:
+    """A timeline deque's entries, oldest first, taken out one by one: a gc callback
+    may append while this runs, and what it appends stays for the next look."""
+    return [calls.popleft() for _ in range(len(calls))]
 
 
 def _not_ours() -> bool:  # another library's callback: kept
