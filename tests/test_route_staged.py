@@ -148,6 +148,7 @@ def test_the_gpu_staging_check_passes_on_the_cpu():
 
     assert check_slot_block(rounds=5) == 0
     assert check_router(rounds=5) == 0
+    assert check_router(rounds=5, graphs=True) == 0
     assert check_snapshots(rounds=5) == 0
     assert check_rows_stream(rounds=3) == (0, 0)
 
@@ -185,3 +186,77 @@ def test_one_familys_rows_replay_with_the_tokens():
             tri.route_rows(tri_et.ops.pattern, b, MAX_LEN)
             assert len(replayed) - before == 2
             assert torch.equal(tri_et.ops.pattern.count, ref_et.ops.pattern.count)
+
+
+def test_graphs_copy_the_runners_positions_in_their_one_replay():
+    """Once the router has learnt the runner's positions buffer (a dummy step's
+    positions, a view of it) and captured its graphs again, a routing step is one
+    replay: the layout's copy, the positions' copy and the routing. Steps route exactly
+    as the torch router, tok_pos included; the same layout again still copies the
+    positions (they move); a step whose positions are elsewhere launches the kernels
+    instead, and routes the same."""
+    from graphtap.ops.backend import _triton
+
+    ref_et, tri_et = engine(TORCH), engine(_triton(False))
+    ref, tri = TokenRouter(ref_et.ops), TokenRouter(tri_et.ops)
+    replayed = []
+
+    def counting(body):
+        return SimpleNamespace(replay=lambda: (replayed.append(1), body()))
+
+    tri.capture_graphs([tri_et.ops.capture, tri_et.ops.pattern], MAX_LEN, capture=counting)
+    runner = torch.full((TOKENS + 8,), -7, dtype=torch.int64)  # vLLM's persistent buffer
+    tri.learn_positions(runner[:3])
+    tri.adopt_positions()
+    assert tri._graph_pos is runner
+    tri_et.ops.tok_pos.fill_(-1)
+    steps = STEPS + [STEPS[-1]]  # the last layout again, with other positions
+    for i, (lengths, slots, padded) in enumerate(steps):
+        b = batch(lengths, slots, padded, seed=i + 10)
+        runner[:padded] = b.positions
+        b.positions = runner[:padded]
+        replayed.clear()
+        ref.route(b)
+        tri.route(b, rows=tri_et.ops.capture)
+        ref.route_rows(ref_et.ops.capture, b, MAX_LEN)
+        tri.route_rows(tri_et.ops.capture, b, MAX_LEN)
+        assert len(replayed) == 1, i
+        assert torch.equal(tri.tok_slot[:padded], ref.tok_slot[:padded]), i
+        assert torch.equal(tri_et.ops.tok_pos[:padded], b.positions), i
+        rt, tt = ref_et.ops.capture, tri_et.ops.capture
+        assert torch.equal(tt.count, rt.count), i
+        used = min(int(rt.count[0]), rt.rows)
+        assert torch.equal(tt.labels[:used], rt.labels[:used]), i
+    # positions elsewhere (not the buffer the graphs copy): the kernels, no replay
+    lengths, slots, padded = STEPS[2]
+    b = batch(lengths, slots, padded, seed=99)
+    replayed.clear()
+    ref.route(b)
+    tri.route(b, rows=tri_et.ops.capture)
+    ref.route_rows(ref_et.ops.capture, b, MAX_LEN)
+    tri.route_rows(tri_et.ops.capture, b, MAX_LEN)
+    assert replayed == []
+    assert torch.equal(tri.tok_slot[:padded], ref.tok_slot[:padded])
+    assert torch.equal(tri_et.ops.tok_pos[:padded], b.positions)
+    assert torch.equal(tri_et.ops.capture.count, ref_et.ops.capture.count)
+    # the same layout, positions not read (residual steering alone): nothing runs
+    b.positions = runner[:padded]
+    tri.route(b, positions=False)
+    replayed.clear()
+    tri.route(b, positions=False)
+    assert replayed == []
+
+
+def test_positions_are_learnt_only_from_a_prefix_of_a_large_enough_buffer():
+    from graphtap.ops.backend import _triton
+
+    et = engine(_triton(False))
+    router = TokenRouter(et.ops)
+    router.capture_graphs([et.ops.capture], MAX_LEN, capture=graphs_on_cpu)
+    router.learn_positions(torch.zeros(TOKENS - 1, dtype=torch.int64)[:4])  # too small
+    router.learn_positions(torch.zeros(2 * TOKENS, dtype=torch.int64)[4:9])  # not a prefix
+    router.adopt_positions()
+    assert router._graph_pos is None
+    unrouted = TokenRouter(engine(_triton(False)).ops)  # no graphs: nothing to learn for
+    unrouted.learn_positions(torch.zeros(TOKENS, dtype=torch.int64)[:4])
+    assert unrouted._learnt is None

@@ -4,6 +4,7 @@ copied in one call from a pinned ring buffer, reach the device as the host wrote
 also while the device runs behind the host by as many steps as the ring has buffers
 (a sleep kernel first: the engine's async scheduling, at its worst). The router routes
 as the torch router does, also where one graph replays the tokens' and a family's rows,
+and where the graphs copy the layout and a runner's positions themselves,
 and a small step's snapshot (host copies queued on the main stream) holds the step's
 rows whatever the next step writes; a large step's rows, which go home on a stream of
 their own after vLLM's copy event, are the step's when read right after that event.
@@ -65,8 +66,11 @@ def check_slot_block(rounds: int = 40, seed: int = 0) -> int:
     return bad
 
 
-def check_router(rounds: int = 40, seed: int = 0) -> int:
-    """Steps whose token routing differs from the torch router's, DEPTH steps a round."""
+def check_router(rounds: int = 40, seed: int = 0, graphs: bool = False) -> int:
+    """Steps whose token routing differs from the torch router's, DEPTH steps a round.
+    `graphs`: the router replays its graphs (CUDA graphs on a GPU), which copy the layout
+    from the ring and the positions from a runner's buffer (written in stream order, as
+    vLLM's prepare_inputs does), and tok_pos is compared too."""
     rng = np.random.default_rng(seed)
     sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=2, hidden=64,
                   steer_width=64, dtype=torch.float32, max_steers=1, max_vectors=2,
@@ -75,6 +79,13 @@ def check_router(rounds: int = 40, seed: int = 0) -> int:
     staged = TokenRouter(allocate(sizes, _triton(False), DEV).ops, staging_depth=DEPTH)
     ref = TokenRouter(allocate(sizes, TORCH, DEV).ops)
     assert staged.staged and not ref.staged
+    runner = torch.zeros(TOKENS, dtype=torch.int64, device=DEV)
+    if graphs:
+        staged.capture_graphs([], 512, capture=None if DEV.type == "cuda" else
+                              (lambda body: SimpleNamespace(replay=body)))
+        staged.learn_positions(runner[:1])
+        staged.adopt_positions()
+        assert staged.graphs is not None and staged._graph_pos is runner
     bad = 0
     for _ in range(rounds):
         lag()
@@ -84,21 +95,23 @@ def check_router(rounds: int = 40, seed: int = 0) -> int:
             lengths = rng.integers(1, TOKENS // SLOTS, reqs)
             qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
             slots = rng.choice(SLOTS, reqs, replace=False).astype(np.int32)
+            n = int(qsl[-1])
+            runner[:n].copy_(torch.from_numpy(rng.integers(0, 500, n)).to(DEV))
             b = SimpleNamespace(
-                req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=int(qsl[-1]),
-                num_tokens_after_padding=int(qsl[-1]), query_start_loc_np=qsl,
+                req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=n,
+                num_tokens_after_padding=n, query_start_loc_np=qsl,
                 query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
-                idx_mapping=torch.from_numpy(slots).to(DEV),
-                positions=torch.arange(int(qsl[-1]), device=DEV))
+                idx_mapping=torch.from_numpy(slots).to(DEV), positions=runner[:n])
             staged.route(b)
             # the staged router's tables as this step left them (its next step rewrites)
-            steps.append((b, staged.tok_slot[:b.num_tokens].clone(),
-                          staged.tok_row[:b.num_tokens].clone()))
+            steps.append((b, staged.tok_slot[:n].clone(), staged.tok_row[:n].clone(),
+                          staged.t.tok_pos[:n].clone(), runner[:n].clone()))
         sync()
-        for b, slot, row in steps:
+        for b, slot, row, pos, want in steps:
             ref.route(b)
             n = b.num_tokens
-            bad += not (torch.equal(slot, ref.tok_slot[:n]) and torch.equal(row, ref.tok_row[:n]))
+            bad += not (torch.equal(slot, ref.tok_slot[:n]) and
+                        torch.equal(row, ref.tok_row[:n]) and torch.equal(pos, want))
     return bad
 
 
@@ -251,10 +264,12 @@ def check_rows_stream(rounds: int = 20, hidden: int = 4096) -> tuple[int, int]:
 def main() -> int:
     bad, early = check_rows_stream()
     found = {"slot_block_mismatches": check_slot_block(), "router_bad_steps": check_router(),
+             "router_graphs_bad_steps": check_router(graphs=True),
              "snapshot_bad_steps": check_snapshots(), "rows_stream_bad_steps": bad,
              "rows_home_after_tokens_steps": early,
              "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"}
     ok = found["slot_block_mismatches"] == 0 and found["router_bad_steps"] == 0 and \
+        found["router_graphs_bad_steps"] == 0 and \
         found["snapshot_bad_steps"] == 0 and bad == 0
     print(json.dumps({**found, "ok": ok}, indent=1))
     return 0 if ok else 1

@@ -6,9 +6,11 @@ and qk (q at the last prompt token, k at every prompt token, 4 layers x 4 heads,
 widths) at one request of 256 tokens: the whole step (plan, routing, snapshot, copies
 queued) and each call in it, timed "cold" (one call after the host did other work for a
 while, as a burst's first step comes after a quiet engine) and "warm" (a tight loop).
-Needs torch and Triton only:
+Needs torch, Triton and, on a GPU, vLLM (the UVA view the routing graphs read the layout
+through):
 
-    PYTHONPATH=overlay python3 -m benchmarks.gpu.first_step_host [--samples 40] [--label L]
+    bash benchmarks/gpu/run_gpu.sh firststep   (FIRST_ARGS="--samples 40 --label L")
+    PYTHONPATH=overlay python3 -m benchmarks.gpu.first_step_host   (on the CPU)
 
 Prints one JSON line per workload and writes $OUT/first-step-host.json as
 {"device", "samples", "overlays": {label: [per workload]}} (what
@@ -57,6 +59,10 @@ def specs() -> dict[str, NormalisedSpec]:
     return {"hs": NormalisedSpec(capture=hs), "qk": NormalisedSpec(capture=qk)}
 
 
+# vLLM's positions buffer (the runner's): a step's positions are a prefix of it
+RUNNER_POSITIONS = torch.arange(2048, device=DEV)
+
+
 def batch(tokens: int, slot: int) -> SimpleNamespace:
     qsl = np.array([0, tokens], np.int32)
     return SimpleNamespace(
@@ -65,7 +71,7 @@ def batch(tokens: int, slot: int) -> SimpleNamespace:
         idx_mapping=torch.tensor([slot], dtype=torch.int32, device=DEV),
         idx_mapping_np=np.array([slot], np.int32),
         num_computed_tokens_np=np.zeros(1, np.int32),
-        num_scheduled_tokens=np.array([tokens]), positions=torch.arange(tokens, device=DEV))
+        num_scheduled_tokens=np.array([tokens]), positions=RUNNER_POSITIONS[:tokens])
 
 
 def engine(max_reqs: int = 64):
@@ -81,6 +87,8 @@ def engine(max_reqs: int = 64):
                         sites=sites, max_len=4096, model_dtype=torch.bfloat16)
     router = TokenRouter(et.ops)
     router.capture_graphs([et.ops.capture], 4096)
+    router.learn_positions(RUNNER_POSITIONS[:1])  # as the engine's dummy steps
+    router.adopt_positions()  # the graphs copy the positions: one replay a step
     return et, cap, router
 
 
@@ -182,9 +190,9 @@ def measure(name: str, spec: NormalisedSpec, samples: int) -> dict:
     if router.staged:
         pieces["stage_layout"] = lambda: router._stage_layout(b, 1)
     if graphs is not None:
-        both = graphs._both[id(t)][bucket]
+        both = graphs._both[id(t)][0][bucket]
         pieces["replay_both"] = both.replay
-        pieces["replay_tokens"] = graphs._tokens[bucket].replay
+        pieces["replay_tokens"] = graphs._tokens[0][bucket].replay
         go = driver_launch()
         if go is not None:
             pieces["driver_launch_both"] = go(both)

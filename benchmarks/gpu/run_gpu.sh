@@ -5,6 +5,8 @@
 #   sinkcheck        the bulk sink's rows under graphs equal per-request captures
 #   stagecheck       the host rings (slot rows through UVA, the router's one-copy layout)
 #                    with the device lagging the host (check_staging.py)
+#   firststep        a burst's first hooked step, piece by piece (first_step_host.py;
+#                    FIRST_ARGS="--samples 40 --label L")
 #   <model> stock    TPOT, stock vLLM wheel
 #   <model> graphtap TPOT, patched wheel + graphtap (idle and steering alternate;
 #                    BENCH_ARGS="--modes idle,hs,qk,mixed,dump ..." for the capture loads)
@@ -26,6 +28,8 @@ while [ $# -gt 0 ]; do
     check)  PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_graphs; shift ;;
     sinkcheck) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_sink; shift ;;
     stagecheck) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_staging; shift ;;
+    firststep) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
+               -m benchmarks.gpu.first_step_host ${FIRST_ARGS:-}; shift ;;
     report) python3 -m benchmarks.gpu.bench_tpot --report --out "$OUT"; shift ;;
     twin)   PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
                -m benchmarks.gpu.bench_twin --model "$2" --out "$OUT" ${TWIN_ARGS:-}; shift 2 ;;

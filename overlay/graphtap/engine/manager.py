@@ -264,12 +264,17 @@ class EngineHooks(HookManager):
     def bind_kv_caches(self, layers) -> None:
         for family in self.families:
             family.bind_kv_caches(layers)
+        # after the memory profile's dummy steps: the routing graphs copy the runner's
+        # positions from now (an engine without CUDA graphs gets no prepare_capture)
+        self.router.adopt_positions()
 
     # ---------------------------------------------------------------- steps
     def prepare_step(self, input_batch, dummy_run) -> None:
         # its parts timed apart too (stats host.prepare_*): the host's share of a step
         # before the forward, which a burst's first steps wait for
         clock = self.clock
+        if dummy_run:  # the runner's positions buffer, which the routing graphs copy
+            self.router.learn_positions(input_batch.positions)
         with named("graphtap.prepare_step"), clock.phase("prepare_step"):
             with clock.phase("prepare_plan"):
                 plans = [None] * len(self.families) if dummy_run else \
@@ -295,6 +300,7 @@ class EngineHooks(HookManager):
                         family.deactivate()
 
     def prepare_capture(self) -> None:
+        self.router.adopt_positions()
         self.router.deactivate()
         for family in self.families:
             family.deactivate()

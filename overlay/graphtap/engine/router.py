@@ -5,14 +5,21 @@ units from it). Padding rows and steps nobody acts in map to the sentinel slot.
 Where the routing kernels read the request count from the device (Triton), the router
 stages the step's layout and positions into buffers of its own first, so that its
 launches and the row families' read fixed addresses only; on a GPU they are then
-replayed from CUDA graphs captured at start (engine/route_graphs.py)."""
+replayed from CUDA graphs captured at start (engine/route_graphs.py), which also make
+the staging copies: one replay a step. The graphs copy the positions from the runner's
+positions buffer, whose address the router learns from the start's dummy steps
+(`learn_positions`) and captures them again with (`adopt_positions`); a step whose
+positions are elsewhere launches its kernels instead (a warning, once)."""
 from __future__ import annotations
 
 import torch
 
 from graphtap.engine import route_graphs
 from graphtap.engine.slots import HostRing
+from graphtap.log import get_logger
 from graphtap.ops.tables import OpTables, RowTables
+
+logger = get_logger(__name__)
 
 
 class TokenRouter:
@@ -25,6 +32,12 @@ class TokenRouter:
         self._idle = True
         self.graphs: route_graphs.RouteGraphs | None = None
         self.replays = 0  # graph replays so far (stats: proof the engine used them)
+        self._graph_args: tuple | None = None  # capture_graphs' (again: adopt_positions)
+        # the runner's positions buffer: learnt (dummy steps), and the one the graphs copy
+        self._learnt: torch.Tensor | None = None
+        self._graph_pos: torch.Tensor | None = None
+        self._replaying = False  # this step replays the graphs (route_rows too)
+        self._warned = False
         self._rows_done: int | None = None  # the row tables routed with this step's tokens
         self.staged = tables.backend.device_counts
         if self.staged:
@@ -68,10 +81,47 @@ class TokenRouter:
         if capture is None and not route_graphs.wanted(self.t.tok_slot.device,
                                                        self.t.backend):
             return
+        self._graph_args = (row_tables, max_len, capture)
+        self._capture(self._learnt)
+
+    def _capture(self, positions: torch.Tensor | None) -> None:
+        row_tables, max_len, capture = self._graph_args
         rows = {id(t): (lambda n, t=t: self._launch_rows(t, n, max_len)) for t in row_tables}
+        stages = [self._stage_fn(self._ring.view(i), positions) for i in range(len(self._ring))]
+        self.graphs = None  # the old graphs go before the new are captured
         self.graphs = route_graphs.RouteGraphs.build(self.t.tok_slot.shape[0],
-                                                     self._launch_tokens, rows, capture)
+                                                     self._launch_tokens, rows, capture,
+                                                     stages)
+        self._graph_pos = positions if self.graphs is not None else None
         self.deactivate(force=True)
+
+    def _stage_fn(self, layout: torch.Tensor, positions: torch.Tensor | None):
+        """What a graph on one ring buffer does before it routes b tokens."""
+        def stage(b: int) -> None:
+            self._layout.copy_(layout, non_blocking=True)
+            if positions is not None:  # one device copy node
+                self.t.tok_pos[:b].copy_(positions[:b], non_blocking=True)
+        return stage
+
+    def learn_positions(self, positions: torch.Tensor) -> None:
+        """A dummy step's positions: a view of the runner's buffer, whose whole the
+        graphs may copy from (every step's positions are a prefix of it)."""
+        if self._graph_args is None or self._learnt is not None:
+            return
+        base = positions._base if positions._base is not None else positions
+        if base.dim() == 1 and base.is_contiguous() and \
+                base.data_ptr() == positions.data_ptr() and \
+                base.numel() >= self.t.tok_pos.numel() and base.device == self.t.tok_pos.device:
+            self._learnt = base
+
+    def adopt_positions(self) -> None:
+        """Capture the graphs again, now copying the learnt positions (at start, after
+        the dummy steps: before vLLM captures its graphs, or once the KV caches exist)."""
+        if self._graph_args is not None and self._learnt is not None and \
+                self._graph_pos is not self._learnt and route_graphs.copy_positions():
+            self._capture(self._learnt)
+            if self._graph_pos is not None:
+                logger.info("graphtap: routing graphs copy the runner's positions")
 
     # ---------------------------------------------------------------- launches
     def _launch_tokens(self, n: int) -> None:
@@ -92,43 +142,65 @@ class TokenRouter:
         replays with the tokens' (its route_rows then has nothing left to do)."""
         n = input_batch.num_tokens_after_padding
         self._rows_done = None
-        if positions and (self.staged or self.positions):
+        self._replaying = self._replays(input_batch)
+        positions = positions and (self.staged or self.positions)
+        in_graph = self._replaying and self._graph_pos is not None
+        if positions and not in_graph:
             self.t.tok_pos[:n].copy_(input_batch.positions[:n], non_blocking=True)
         layout = (tuple(input_batch.req_ids), input_batch.num_tokens, n,
                   input_batch.query_start_loc_np[: input_batch.num_reqs + 1].tobytes())
-        if layout == self._last_layout:
+        if layout == self._last_layout and not (positions and in_graph):
             return  # same requests, same token rows: the table already says this
         num_reqs = input_batch.num_reqs
         if not self.staged:
             self.t.backend.route_tokens(self.t.tok_slot, self.t.tok_row, self.t.sentinel,
                                         input_batch.query_start_loc,
                                         input_batch.idx_mapping, n, num_reqs)
-        else:
-            self._stage_layout(input_batch, num_reqs)
-            if self.graphs is not None:
-                if rows is not None:
-                    self.graphs.tokens_and_rows(id(rows), n)
-                    self._rows_done = id(rows)
-                else:
-                    self.graphs.tokens(n)
-                self.replays += 1
+        elif self._replaying:
+            # one replay: the layout's and positions' copies, the tokens (and one
+            # family's rows); the same layout again routes its tokens again (microseconds
+            # of the device) for the positions' copy
+            stage = self._stage_layout(input_batch, num_reqs)
+            if rows is not None:
+                self.graphs.tokens_and_rows(id(rows), n, stage)
+                self._rows_done = id(rows)
             else:
-                self._launch_tokens(n)
+                self.graphs.tokens(n, stage)
+            self.replays += 1
+        else:
+            self._layout.copy_(self._ring.view(self._stage_layout(input_batch, num_reqs)),
+                               non_blocking=True)
+            self._launch_tokens(n)
         self._last_layout = layout
         self._idle = False
 
-    def _stage_layout(self, input_batch, num_reqs: int) -> None:
-        host, layout = self._ring.take()
-        slots = self._idx.shape[0]
+    def _replays(self, input_batch) -> bool:
+        """Whether this step's routing replays the graphs: not where its positions are
+        not the ones the graphs copy (the kernels are launched instead)."""
+        if self.graphs is None:
+            return False
+        if self._graph_pos is None or \
+                input_batch.positions.data_ptr() == self._graph_pos.data_ptr():
+            return True
+        if not self._warned:
+            self._warned = True
+            logger.warning("graphtap: a step's positions are not in the runner's buffer the "
+                           "routing graphs copy from; such steps launch the routing kernels")
+        return False
+
+    def _stage_layout(self, input_batch, num_reqs: int) -> int:
+        """The step's layout written into the host ring's next buffer; its index."""
+        i = self._ring.take_index()
+        layout, slots = self._ring.numpy(i), self._idx.shape[0]
         layout[0] = num_reqs
         layout[1:num_reqs + 2] = input_batch.query_start_loc_np[:num_reqs + 1]
         layout[slots + 2:slots + 2 + num_reqs] = input_batch.idx_mapping_np[:num_reqs]
-        self._layout.copy_(host, non_blocking=True)
+        return i
 
     def route_rows(self, t: RowTables, input_batch, max_len: int) -> None:
         """A row family's units of this step (after `route`)."""
         n = input_batch.num_tokens_after_padding
-        if self.graphs is not None:
+        if self._replaying:
             if self._rows_done == id(t):  # replayed with the tokens' (route)
                 self._rows_done = None
                 return
@@ -142,10 +214,13 @@ class TokenRouter:
 
     def stats(self) -> dict:
         return {"graph_buckets": len(self.graphs.sizes) if self.graphs is not None else 0,
-                "graph_replays_total": self.replays}
+                "graph_replays_total": self.replays,
+                # the graphs copy the runner's positions (one replay a routing step)
+                "graph_positions": self._graph_pos is not None}
 
     def deactivate(self, force: bool = False) -> None:
         self._rows_done = None
+        self._replaying = False
         if force or not self._idle:
             self.t.tok_slot.fill_(self.t.sentinel)
             self._idle = True

@@ -88,43 +88,50 @@ class HostRing:
         self._bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.pinned)
                       for _ in range(depth)]
         self._np = [b.numpy() for b in self._bufs]
+        self._views: list[torch.Tensor | None] = [None] * depth
         self._next = 0
 
-    def take(self) -> tuple[torch.Tensor, np.ndarray]:
-        """The next buffer, as a tensor and as its numpy view."""
+    def __len__(self) -> int:
+        return len(self._bufs)
+
+    def take_index(self) -> int:
+        """The next buffer's index (numpy(i) to write it, view(i) for the device)."""
         i = self._next
         self._next = (i + 1) % len(self._bufs)
-        return self._bufs[i], self._np[i]
+        return i
+
+    def numpy(self, i: int) -> np.ndarray:
+        return self._np[i]
+
+    def view(self, i: int) -> torch.Tensor:
+        """Buffer i as the device reads it: vLLM's UVA view on a GPU, made at first use
+        (so tools that allocate tables and never stage a row,
+        benchmarks/gpu/check_kernels.py, need no vLLM); the buffer itself elsewhere."""
+        if not self.pinned:
+            return self._bufs[i]
+        view = self._views[i]
+        if view is None:
+            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+            view = self._views[i] = get_accelerator_view_from_cpu_tensor(self._bufs[i])
+        return view
 
 
 class Staging:
     """A step's changed rows and their indices, in host rings the index copy reads
-    (through their device view on a GPU: vLLM's UVA view, made at first use, so tools
-    that allocate tables and never stage a row, benchmarks/gpu/check_kernels.py, need
-    no vLLM)."""
+    (through their device view on a GPU)."""
 
     def __init__(self, rows: int, width: int, device: torch.device, depth: int):
         self._index = HostRing((rows,), torch.int64, device, depth)
         self._values = HostRing((rows, width), torch.int32, device, depth)
-        self._views: dict[int, torch.Tensor] = {}  # a pinned buffer's id -> its view
 
     def stage(self, rows: np.ndarray, host: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' indices and their host values, in the rings' next buffers."""
-        (index, index_np), (values, values_np) = self._index.take(), self._values.take()
+        i, j = self._index.take_index(), self._values.take_index()
         k = len(rows)
-        index_np[:k] = rows
-        np.take(host, rows, axis=0, out=values_np[:k])
-        return self._view(index)[:k], self._view(values)[:k]
-
-    def _view(self, t: torch.Tensor) -> torch.Tensor:
-        if not self._index.pinned:
-            return t
-        view = self._views.get(id(t))
-        if view is None:
-            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
-
-            view = self._views[id(t)] = get_accelerator_view_from_cpu_tensor(t)
-        return view
+        self._index.numpy(i)[:k] = rows
+        np.take(host, rows, axis=0, out=self._values.numpy(j)[:k])
+        return self._index.view(i)[:k], self._values.view(j)[:k]
 
 
 class SlotBlock:
