@@ -153,11 +153,9 @@ def test_the_gpu_staging_check_passes_on_the_cpu():
     assert check_rows_stream(rounds=3) == (0, 0)
 
 
-def test_one_familys_rows_replay_with_the_tokens():
-    """A step whose rows one family routes (route(rows=...)) replays one graph for the
-    tokens and those rows where the layout is new, and routes exactly as the torch
-    router; the same layout again replays that family's rows alone, and another
-    family's rows still replay on their own."""
+def counted_routers():
+    """(torch tables, Triton tables, their routers, the replays so far): the staged
+    router's graphs are its bodies, each replay counted."""
     from graphtap.ops.backend import _triton
 
     ref_et, tri_et = engine(TORCH), engine(_triton(False))
@@ -168,6 +166,15 @@ def test_one_familys_rows_replay_with_the_tokens():
         return SimpleNamespace(replay=lambda: (replayed.append(1), body()))
 
     tri.capture_graphs([tri_et.ops.capture, tri_et.ops.pattern], MAX_LEN, capture=counting)
+    return ref_et, tri_et, ref, tri, replayed
+
+
+def test_one_familys_rows_replay_with_the_tokens():
+    """A step whose rows one family routes (route(rows=...)) replays one graph for the
+    tokens and those rows where the layout is new, and routes exactly as the torch
+    router; the same layout again replays that family's rows alone, and another
+    family's rows still replay on their own."""
+    ref_et, tri_et, ref, tri, replayed = counted_routers()
     replayed.clear()
     for i, (lengths, slots, padded) in enumerate(STEPS):
         b = batch(lengths, slots, padded, seed=i)
@@ -195,16 +202,7 @@ def test_graphs_copy_the_runners_positions_in_their_one_replay():
     as the torch router, tok_pos included; the same layout again still copies the
     positions (they move); a step whose positions are elsewhere launches the kernels
     instead, and routes the same."""
-    from graphtap.ops.backend import _triton
-
-    ref_et, tri_et = engine(TORCH), engine(_triton(False))
-    ref, tri = TokenRouter(ref_et.ops), TokenRouter(tri_et.ops)
-    replayed = []
-
-    def counting(body):
-        return SimpleNamespace(replay=lambda: (replayed.append(1), body()))
-
-    tri.capture_graphs([tri_et.ops.capture, tri_et.ops.pattern], MAX_LEN, capture=counting)
+    ref_et, tri_et, ref, tri, replayed = counted_routers()
     runner = torch.full((TOKENS + 8,), -7, dtype=torch.int64)  # vLLM's persistent buffer
     tri.learn_positions(runner[:3])
     tri.adopt_positions()
