@@ -131,7 +131,7 @@ def test_first_capture_step(benchmark):
     assert unpack(out["r0"])["blocks.16.hook_resid_post"].shape == (1, H)
 
 
-def engine_hooks():
+def engine_hooks(max_len: int = L):
     """The worker's hook manager as the runner builds it (every family a default
     hook_config makes: steering, captures, probes), for a Llama-3-8B shape on CPU
     tables, with the benchmark's sites (a steering layer, hs's 3, qk's 4 layers x q, k),
@@ -141,7 +141,7 @@ def engine_hooks():
     sites = sorted({f"blocks.{layer}.hook_resid_post" for layer in (*HS, 16)} |
                    {f"blocks.{layer}.attn.hook_{k}" for layer in (4, 8, 16, 24) for k in "qk"})
     return cpu_hook_manager(sites, layers=32, hidden=H, heads=32, kv_heads=8, head_dim=128,
-                            max_len=L, max_num_seqs=256, batched_tokens=2048,
+                            max_len=max_len, max_num_seqs=256, batched_tokens=2048,
                             dtype=torch.bfloat16, graph_tokens=512, max_captures=16,
                             capture_rows=3 * 2048)
 
@@ -187,3 +187,34 @@ def test_admission_step(benchmark, mode):
     benchmark.pedantic(admit, setup=removed, rounds=200)
     assert manager.stats()["capture"]["requests"] == (32 if mode in ("hs", "qk") else 0)
     assert manager.stats()["steer"]["requests"] == (32 if mode == "steer" else 0)
+
+
+@pytest.mark.parametrize("max_len", [2048, 32768, 131072])
+def test_admission_step_long_context(benchmark, max_len):
+    """test_admission_step's hs admission (32 requests added, the step's staged writes
+    applied) at longer max_model_len: a slot's row holds every entry's position bitmap
+    (max_len / 32 words each), and a request's staged write copies its whole row (to the
+    pinned staging ring on the host, then through UVA to the device), so the
+    admission's cost grows with max_model_len though an hs request's bitmaps hold one
+    set bit each."""
+    from vllm import SamplingParams
+
+    manager, frontend = engine_hooks(max_len)
+    params = SamplingParams(max_tokens=8, hooks=MODES["hs"])
+    frontend.process_request("x", params, None, PROMPT)
+    reqs = [NS(req_id=f"r{i}", prompt_len=PROMPT, sampling_params=params) for i in range(32)]
+
+    def admit():
+        for i, r in enumerate(reqs):
+            manager.add_request(i, r)
+        manager.apply_staged_writes()
+
+    def removed():
+        for r in reqs:
+            manager.remove_request(r.req_id)
+        manager.apply_staged_writes()
+        return (), {}
+
+    benchmark.pedantic(admit, setup=removed, rounds=20)
+    benchmark.extra_info["slot_row_bytes"] = manager.slots.host.shape[1] * 4
+    assert manager.stats()["capture"]["requests"] == 32
