@@ -164,7 +164,7 @@ def test_a_plans_bitmaps_stay_within_their_bytes(monkeypatch):
                             "last_prompt"),
                CaptureEntry(0, "attn_q", "blocks.0.attn.hook_q", "model", (1,), Span(3, 40)))
     a.add_request(0, "r0", 5, NormalisedSpec(capture=clone(entries)))
-    ((wanted, block),) = capture_plan(a).shaped.values()
+    ((wanted, block, _),) = capture_plan(a).shaped.values()
     assert block.shape == (2, a._pos.shape[2])
     monkeypatch.setattr(rows, "SHAPES_BYTES", 2 * block.nbytes)
     for n, prompt_len in enumerate([9, 13, 5, 33]):

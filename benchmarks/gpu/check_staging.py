@@ -1,6 +1,7 @@
-"""GPU check of the host rings (engine/slots.py HostRing): the slot block's staged rows,
-which the index copy reads through their UVA view, and the staged router's layout,
-copied in one call from a pinned ring buffer, reach the device as the host wrote them,
+"""GPU check of the host rings (engine/slots.py HostRing): the slot block's staged rows
+and column runs, which the index copies read through their UVA view, and the staged
+router's layout, copied in one call from a ring buffer, reach the device as the host
+wrote them,
 also while the device runs behind the host by as many steps as the ring has buffers
 (a sleep kernel first: the engine's async scheduling, at its worst). The router routes
 as the torch router does, also where one graph replays the tokens' and a family's rows,
@@ -60,6 +61,39 @@ def check_slot_block(rounds: int = 40, seed: int = 0) -> int:
                 block.reset(int(slot), group, claim=None)  # rewritten and staged
                 block.host_view(ints)[slot] = rng.integers(0, 1000, 3)
                 block.host_view(floats)[slot] = rng.normal(size=2)
+            block.apply()
+        sync()
+        bad += int((block.gpu.cpu().numpy() != block.host).sum())
+    return bad
+
+
+def check_slot_runs(rounds: int = 40, seed: int = 0) -> int:
+    """As check_slot_block, for column runs (SlotBlock.stage_runs, a row family's sites
+    and bitmap words): slots claimed clean get random runs written, others released,
+    and the device block must be the host's after each round."""
+    rng = np.random.default_rng(seed)
+    layout = SlotLayout()
+    sites = layout.reserve((4,), torch.int32, -1.0)
+    words = layout.reserve((4, 64), torch.int32, 0.0)
+    block = SlotBlock(layout, SLOTS, DEV, staging_depth=DEPTH)
+    group = block.group([sites, words])
+    held: dict[int, np.ndarray] = {}
+    bad = 0
+    for _ in range(rounds):
+        lag()
+        for _ in range(DEPTH):
+            for slot in (int(s) for s in rng.choice(SLOTS, int(rng.integers(1, SLOTS)),
+                                                    replace=False)):
+                if slot in held:
+                    block.release_runs(slot, group, held.pop(slot))
+                elif block.claim_clean(slot, group):
+                    lo = int(rng.integers(0, 4 * 64 - 8))
+                    runs = np.array([[sites.offset, sites.offset + 4],
+                                     [words.offset + lo, words.offset + lo + 8]], np.int64)
+                    for a, z in runs:
+                        block.host[slot, a:z] = rng.integers(1, 1000, z - a)
+                    block.stage_runs(slot, runs)
+                    held[slot] = runs
             block.apply()
         sync()
         bad += int((block.gpu.cpu().numpy() != block.host).sum())
@@ -263,12 +297,14 @@ def check_rows_stream(rounds: int = 20, hidden: int = 4096) -> tuple[int, int]:
 
 def main() -> int:
     bad, early = check_rows_stream()
-    found = {"slot_block_mismatches": check_slot_block(), "router_bad_steps": check_router(),
+    found = {"slot_block_mismatches": check_slot_block(),
+             "slot_runs_mismatches": check_slot_runs(), "router_bad_steps": check_router(),
              "router_graphs_bad_steps": check_router(graphs=True),
              "snapshot_bad_steps": check_snapshots(), "rows_stream_bad_steps": bad,
              "rows_home_after_tokens_steps": early,
              "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"}
-    ok = found["slot_block_mismatches"] == 0 and found["router_bad_steps"] == 0 and \
+    ok = found["slot_block_mismatches"] == 0 and found["slot_runs_mismatches"] == 0 and \
+        found["router_bad_steps"] == 0 and \
         found["router_graphs_bad_steps"] == 0 and \
         found["snapshot_bad_steps"] == 0 and bad == 0
     print(json.dumps({**found, "ok": ok}, indent=1))

@@ -87,7 +87,8 @@ class TokenRouter:
     def _capture(self, positions: torch.Tensor | None) -> None:
         row_tables, max_len, capture = self._graph_args
         rows = {id(t): (lambda n, t=t: self._launch_rows(t, n, max_len)) for t in row_tables}
-        stages = [self._stage_fn(self._ring.view(i), positions) for i in range(len(self._ring))]
+        stages = [self._stage_fn(self._ring.view(i), positions)
+                  for i in range(len(self._ring))]
         self.graphs = None  # the old graphs go before the new are captured
         self.graphs = route_graphs.RouteGraphs.build(self.t.tok_slot.shape[0],
                                                      self._launch_tokens, rows, capture,
@@ -109,9 +110,10 @@ class TokenRouter:
         if self._graph_args is None or self._learnt is not None:
             return
         base = positions._base if positions._base is not None else positions
+        tok_pos = self.t.tok_pos
         if base.dim() == 1 and base.is_contiguous() and \
                 base.data_ptr() == positions.data_ptr() and \
-                base.numel() >= self.t.tok_pos.numel() and base.device == self.t.tok_pos.device:
+                base.numel() >= tok_pos.numel() and base.device == tok_pos.device:
             self._learnt = base
 
     def adopt_positions(self) -> None:

@@ -47,9 +47,11 @@ class EntryPlan(NamedTuple):
     sites: np.ndarray  # int32
     formats: dict
     rules: list[tuple[object, int, list[int]]]
-    # per prompt length: the request's Wants (read-only once made: requests share it)
-    # and every entry's bitmap, [entries, words], made once for the requests of that length
-    shaped: dict[int, tuple[Wants, np.ndarray]]
+    # per prompt length: the request's Wants (read-only once made: requests share it),
+    # every entry's bitmap, [entries, words], and the slot block's columns they set (the
+    # entries' sites, the words holding a set bit: runs [m, 2]), made once for the
+    # requests of that length
+    shaped: dict[int, tuple[Wants, np.ndarray, np.ndarray]]
     # what a subclass derives from the entries, made once (capture: the columns a row
     # spans, whether any entry reads heads)
     memo: dict
@@ -83,6 +85,9 @@ class RowFamily(FamilyBase):
         # the host mirror's site and position fields (views of a block that never moves)
         self._site, self._pos = slots.host_view(fields.site), slots.host_view(fields.pos)
         self._reset_group = None  # reset_slot's fields (extra_fields: subclasses' own)
+        # slot -> the columns its entries set, where they were staged alone (stage_runs),
+        # which its removal resets
+        self._runs: dict[int, np.ndarray] = {}
         self._plans: dict[tuple, EntryPlan] = {}  # entries -> their plan (_entry_plan)
         self._writes_extra = type(self).write_extra is not RowFamily.write_extra
         # the stream a large step's rows go home on (LabelledStep._rows_to_cpu): made
@@ -141,7 +146,12 @@ class RowFamily(FamilyBase):
         if self.holds(req_id):  # re-added (a subclass that removes it first: not again)
             self.remove_request(req_id)
         entries = self.entries(spec)
-        self.reset_slot(slot, claim=bool(entries))
+        self._runs.pop(slot, None)
+        # entries that set only sites and bitmap words go as those columns, not the row
+        by_runs = bool(entries) and self._sets_runs() and \
+            self.slots.claim_clean(slot, self._group())
+        if not by_runs:
+            self.reset_slot(slot, claim=bool(entries))
         self._table.drop(slot)
         if not entries:  # the slot stays inactive: nothing to write (a plain request)
             return None
@@ -152,8 +162,11 @@ class RowFamily(FamilyBase):
         plan = self._entry_plan(entries)
         site, pos = self._site, self._pos
         site[slot, :len(plan.sites)] = plan.sites
-        wanted, bitmaps = plan.shaped.get(prompt_len) or self._shape(plan, prompt_len)
+        wanted, bitmaps, runs = plan.shaped.get(prompt_len) or self._shape(plan, prompt_len)
         pos[slot, :len(bitmaps)] = bitmaps
+        if by_runs:
+            self._runs[slot] = runs
+            self.slots.stage_runs(slot, runs)
         if self._writes_extra:
             for i, entry in enumerate(entries):
                 self.write_extra(slot, i, entry)
@@ -187,8 +200,26 @@ class RowFamily(FamilyBase):
         while plan.shaped and (len(plan.shaped) >= SHAPES or
                                (len(plan.shaped) + 1) * bitmaps.nbytes > SHAPES_BYTES):
             del plan.shaped[next(iter(plan.shaped))]  # the oldest length
-        plan.shaped[prompt_len] = (wanted, bitmaps)
-        return wanted, bitmaps
+        plan.shaped[prompt_len] = shaped = (wanted, bitmaps, self._set_columns(bitmaps))
+        return shaped
+
+    def _set_columns(self, bitmaps: np.ndarray) -> np.ndarray:
+        """The block columns entries with these bitmaps set: their sites, and per entry
+        the words from its first set bit's to its last's, as runs [m, 2]."""
+        site, pos, words = self.fields.site.offset, self.fields.pos.offset, bitmaps.shape[1]
+        runs = [(site, site + len(bitmaps))]
+        for i, row in enumerate(bitmaps):
+            set_words = np.flatnonzero(row)
+            if len(set_words):
+                at = pos + i * words
+                runs.append((at + set_words[0], at + set_words[-1] + 1))
+        return np.array(runs, np.int64)
+
+    def _sets_runs(self) -> bool:
+        """Whether a request's entries set only their sites and bitmaps (not heads, nor a
+        subclass's fields): then a clean slot is claimed and released by those columns."""
+        return self.fields.heads is None and not self.extra_fields and \
+            not self._writes_extra
 
     def _make_plan(self, entries: tuple) -> EntryPlan:
         sites, formats, rules = [], {}, {}
@@ -210,14 +241,22 @@ class RowFamily(FamilyBase):
             self._cols.pop(slot, None)
             del self._wanted[req_id]
             self._table.drop(slot)
-            self.reset_slot(slot, claim=False)  # inactive again (with the next staged writes)
+            runs = self._runs.pop(slot, None)
+            if runs is not None:  # the columns its entries set, inactive again
+                self.slots.release_runs(slot, self._group(), runs)
+            else:  # inactive again (with the next staged writes)
+                self.reset_slot(slot, claim=False)
 
-    def reset_slot(self, slot: int, claim: bool | None = None) -> None:
+    def _group(self):
         if self._reset_group is None:
             f = self.fields
             self._reset_group = self.slots.group(
                 [x for x in (f.site, f.pos, f.heads, *self.extra_fields) if x is not None])
-        self.slots.reset(slot, self._reset_group, claim)
+        return self._reset_group
+
+    def reset_slot(self, slot: int, claim: bool | None = None) -> None:
+        self._runs.pop(slot, None)  # written whole from now on
+        self.slots.reset(slot, self._group(), claim)
 
     def stats(self) -> dict:
         return {"requests": len(self._slot_of),

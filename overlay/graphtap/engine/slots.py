@@ -7,6 +7,10 @@ changed rows in one go: one index copy, whatever the number of requests or field
 copies per request before), reading the rows and their indices from pinned host buffers
 the device maps (UVA), as vLLM's own staged writes beside it do: no pinned allocation and
 no host-to-device copy call per step (each ~20 us of the engine core's host on the H200).
+A row family's requests stage only the columns they set (stage_runs: sites and the
+position bitmaps' words that hold set bits), in a second index copy over the flattened
+block: a row holds every entry's bitmap of max_model_len / 32 words, hundreds of KiB at
+a long max_model_len (benchmarks/cpu: test_admission_step_long_context).
 """
 from __future__ import annotations
 
@@ -17,6 +21,19 @@ import numpy as np
 import torch
 
 _NP = {torch.int32: np.int32, torch.float32: np.float32}
+# single elements a step's staged write holds (SlotBlock.elements, 768 KiB a buffer); past
+# them rows go whole (an element stages 12 bytes, a row's column 4)
+ELEMENTS = 1 << 16
+
+
+def _elements(runs: dict[int, list[np.ndarray]], width: int) -> np.ndarray:
+    """The flat block indices of the slots' column runs."""
+    pairs = [(np.concatenate(r) if len(r) > 1 else r[0], slot) for slot, r in runs.items()]
+    starts = np.concatenate([p[:, 0] + slot * width for p, slot in pairs])
+    lens = np.concatenate([p[:, 1] - p[:, 0] for p, _ in pairs])
+    keep = lens > 0
+    starts, lens = starts[keep], lens[keep]
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum())
 
 
 def host_to_device(arr: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -68,10 +85,12 @@ class SlotLayout:
 class FieldGroup:
     """Fields reset together (SlotBlock.group): their columns as (slice, inactive values)
     runs, and per slot 1 where they are known inactive on the host and on the device
-    once the staged writes ran (reset with claim False)."""
+    once the staged writes ran (reset with claim False); `fill`: a block row holding
+    the group's inactive values in its columns."""
 
     runs: list[tuple[slice, np.ndarray]]
     clean: bytearray
+    fill: np.ndarray
 
 
 class HostRing:
@@ -118,12 +137,15 @@ class HostRing:
 
 
 class Staging:
-    """A step's changed rows and their indices, in host rings the index copy reads
-    (through their device view on a GPU)."""
+    """A step's changed rows (or single elements of the flattened block: width None)
+    and their indices, in host rings the index copy reads (through their device view
+    on a GPU)."""
 
-    def __init__(self, rows: int, width: int, device: torch.device, depth: int):
+    def __init__(self, rows: int, width: int | None, device: torch.device, depth: int):
+        self.capacity = rows
         self._index = HostRing((rows,), torch.int64, device, depth)
-        self._values = HostRing((rows, width), torch.int32, device, depth)
+        self._values = HostRing((rows, width) if width else (rows,), torch.int32, device,
+                                depth)
 
     def stage(self, rows: np.ndarray, host: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' indices and their host values, in the rings' next buffers."""
@@ -146,7 +168,12 @@ class SlotBlock:
             self.host_view(f)[:] = f.fill
         self.gpu = torch.from_numpy(self.host.copy()).to(device)
         self.staging = Staging(slots, width, device, staging_depth)
+        # single elements (stage_runs): a request's position bitmaps are max_model_len / 32
+        # words an entry, of which it sets a few, so its whole row, which a long
+        # max_model_len makes hundreds of KiB, need not travel
+        self.elements = Staging(ELEMENTS, None, device, staging_depth)
         self._dirty: set[int] = set()
+        self._runs: dict[int, list[np.ndarray]] = {}  # slot -> column runs (lo, hi) to write
         self._groups: dict[tuple[int, ...], FieldGroup] = {}  # by the fields' offsets
 
     def view(self, f: SlotField) -> torch.Tensor:
@@ -174,7 +201,8 @@ class SlotBlock:
                     runs.append((slice(lo, hi), row[0, lo:hi].copy()))
                     first = i
             # every slot starts inactive
-            self._groups[key] = FieldGroup(runs, bytearray(b"\x01" * self.host.shape[0]))
+            self._groups[key] = FieldGroup(runs, bytearray(b"\x01" * self.host.shape[0]),
+                                           row[0])
         return self._groups[key]
 
     def reset(self, slot: int, group: FieldGroup, claim: bool | None = None) -> None:
@@ -199,7 +227,43 @@ class SlotBlock:
     def stage(self, slot: int) -> None:
         self._dirty.add(slot)
 
+    # A family whose entries set few columns of their fields (a row family's sites and
+    # the words of its position bitmaps that hold a set bit) claims a clean slot, writes
+    # those columns on the host and stages only them; its release puts them back to the
+    # inactive values, after which the slot is clean again.
+    def claim_clean(self, slot: int, group: FieldGroup) -> bool:
+        """Whether the slot's group columns are inactive (then claimed: the caller
+        writes and stages its runs); False: the caller resets it (reset(claim=True))."""
+        if not group.clean[slot]:
+            return False
+        group.clean[slot] = 0
+        return True
+
+    def stage_runs(self, slot: int, runs: np.ndarray) -> None:
+        """Columns [lo, hi) of the slot's row, runs an int64 array [m, 2], for the next
+        staged write (its whole row where it is staged whole too)."""
+        self._runs.setdefault(slot, []).append(runs)
+
+    def release_runs(self, slot: int, group: FieldGroup, runs: np.ndarray) -> None:
+        """A slot claimed with claim_clean, whose entries wrote only `runs`: those columns
+        back to their inactive values, staged; the slot is clean again."""
+        host, fill = self.host[slot], group.fill
+        for lo, hi in runs:
+            host[lo:hi] = fill[lo:hi]
+        group.clean[slot] = 1
+        self.stage_runs(slot, runs)
+
     def apply(self) -> None:
+        if self._runs:
+            runs = {s: r for s, r in self._runs.items() if s not in self._dirty}
+            self._runs.clear()
+            if runs:
+                index = _elements(runs, self.host.shape[1])
+                if len(index) <= self.elements.capacity:
+                    self.gpu.view(-1).index_copy_(
+                        0, *self.elements.stage(index, self.host.reshape(-1)))
+                else:  # more than the element ring holds: those rows whole
+                    self._dirty.update(runs)
         if not self._dirty:
             return
         rows = np.fromiter(sorted(self._dirty), dtype=np.int64, count=len(self._dirty))
