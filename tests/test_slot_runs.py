@@ -12,6 +12,7 @@ from helpers import engine_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphtap.engine import rows
 from graphtap.engine import slots as slots_module
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.families.pattern import PatternFamily
@@ -27,7 +28,14 @@ RULES = st.one_of(st.sampled_from(["all", "prompt", "generated", "last_prompt"])
                             st.integers(1, 90)))
 
 
+@pytest.fixture(autouse=True)
+def runs_whatever_the_row(monkeypatch):
+    monkeypatch.setattr(rows, "RUNS_FROM_BYTES", 0)
+
+
 def families(max_len: int):
+    """Tables and the capture and pattern families of max_len, staging by runs whatever
+    their row's size (RUNS_FROM_BYTES: 0)."""
     et = engine_tables(max_reqs=4, max_len=max_len, num_sites=len(SITES), max_captures=3,
                        num_heads=4, patterns=True)
     common = dict(backend=TORCH, sites=SITES, max_len=max_len, model_dtype=torch.bfloat16)
@@ -135,3 +143,13 @@ def test_a_slot_claimed_dirty_is_reset_whole(max_len):
     assert 2 in block._dirty
     block.apply()
     assert np.array_equal(block.gpu.numpy(), block.host)
+
+
+def test_small_rows_are_staged_whole(monkeypatch):
+    """Below RUNS_FROM_BYTES a request's row is staged whole, as before the runs."""
+    monkeypatch.setattr(rows, "RUNS_FROM_BYTES", 1 << 30)
+    et, capture, _ = families(280)
+    capture.add_request(1, "r1", 100, hs())
+    assert et.slots._dirty == {1} and not et.slots._runs
+    et.slots.apply()
+    assert np.array_equal(et.slots.gpu.numpy(), et.slots.host)

@@ -158,17 +158,12 @@ MODES = {"plain": None,
               "heads": [0, 1, 2, 3]})]}}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_admission_step(benchmark, mode):
-    """The worker's part of a burst's admission step: 32 requests added to the hook
-    manager (every family) and the step's staged writes applied (then removed again,
-    untimed). plain: requests without hooks; steer: bench_tpot's steering (one 4096-wide
-    vector, every position; the vector resident after the first); hs: 3 last-prompt
-    residual captures. Per request: the figure / 32; the difference is what a hooked
-    request's first token waits for beyond a plain one's."""
+def admission(benchmark, mode: str, max_len: int, rounds: int):
+    """Times 32 requests of `mode` added to the hook manager and the step's staged writes
+    applied (removed again before each round, untimed); the manager."""
     from vllm import SamplingParams
 
-    manager, frontend = engine_hooks()
+    manager, frontend = engine_hooks(max_len)
     params = SamplingParams(max_tokens=8, hooks=MODES[mode])
     frontend.process_request("x", params, None, PROMPT)  # its wire form, as the engine gets it
     reqs = [NS(req_id=f"r{i}", prompt_len=PROMPT, sampling_params=params) for i in range(32)]
@@ -184,37 +179,30 @@ def test_admission_step(benchmark, mode):
         manager.apply_staged_writes()
         return (), {}
 
-    benchmark.pedantic(admit, setup=removed, rounds=200)
+    benchmark.pedantic(admit, setup=removed, rounds=rounds)
+    return manager
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_admission_step(benchmark, mode):
+    """The worker's part of a burst's admission step: 32 requests added to the hook
+    manager (every family) and the step's staged writes applied (then removed again,
+    untimed). plain: requests without hooks; steer: bench_tpot's steering (one 4096-wide
+    vector, every position; the vector resident after the first); hs: 3 last-prompt
+    residual captures. Per request: the figure / 32; the difference is what a hooked
+    request's first token waits for beyond a plain one's."""
+    manager = admission(benchmark, mode, L, rounds=200)
     assert manager.stats()["capture"]["requests"] == (32 if mode in ("hs", "qk") else 0)
     assert manager.stats()["steer"]["requests"] == (32 if mode == "steer" else 0)
 
 
 @pytest.mark.parametrize("max_len", [2048, 32768, 131072])
 def test_admission_step_long_context(benchmark, max_len):
-    """test_admission_step's hs admission (32 requests added, the step's staged writes
-    applied) at longer max_model_len: a slot's row holds every entry's position bitmap
-    (max_len / 32 words each), and a request's staged write copies its whole row (to the
-    pinned staging ring on the host, then through UVA to the device), so the
-    admission's cost grows with max_model_len though an hs request's bitmaps hold one
-    set bit each."""
-    from vllm import SamplingParams
-
-    manager, frontend = engine_hooks(max_len)
-    params = SamplingParams(max_tokens=8, hooks=MODES["hs"])
-    frontend.process_request("x", params, None, PROMPT)
-    reqs = [NS(req_id=f"r{i}", prompt_len=PROMPT, sampling_params=params) for i in range(32)]
-
-    def admit():
-        for i, r in enumerate(reqs):
-            manager.add_request(i, r)
-        manager.apply_staged_writes()
-
-    def removed():
-        for r in reqs:
-            manager.remove_request(r.req_id)
-        manager.apply_staged_writes()
-        return (), {}
-
-    benchmark.pedantic(admit, setup=removed, rounds=20)
+    """test_admission_step's hs admission at longer max_model_len: a slot's row holds
+    every entry's position bitmap (max_len / 32 words each), so a request whose staged
+    write copied its whole row (to the pinned staging ring on the host, then through UVA
+    to the device) cost more the longer max_model_len, though an hs request's bitmaps
+    hold one set bit each; its sites and set words alone (SlotBlock.stage_runs) do not."""
+    manager = admission(benchmark, "hs", max_len, rounds=20)
     benchmark.extra_info["slot_row_bytes"] = manager.slots.host.shape[1] * 4
     assert manager.stats()["capture"]["requests"] == 32

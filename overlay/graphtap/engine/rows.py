@@ -30,6 +30,10 @@ from graphtap.spec.sites import SiteTable
 PLANS = 256  # EntryPlans a family remembers (distinct entries of recent requests)
 SHAPES = 64  # prompt lengths a plan remembers its Wants and bitmaps for
 SHAPES_BYTES = 4 << 20  # and at most this many bytes of bitmaps (a long max_model_len)
+# Slot rows from this size on are staged by the columns a request sets (stage_runs);
+# smaller ones whole, which costs less host time than the runs' bookkeeping (dev CPU,
+# test_admission_step_long_context: about 1 us a request at max_model_len 2048)
+RUNS_FROM_BYTES = 16 << 10
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -48,10 +52,9 @@ class EntryPlan(NamedTuple):
     formats: dict
     rules: list[tuple[object, int, list[int]]]
     # per prompt length: the request's Wants (read-only once made: requests share it),
-    # every entry's bitmap, [entries, words], and the slot block's columns they set (the
-    # entries' sites, the words holding a set bit: runs [m, 2]), made once for the
-    # requests of that length
-    shaped: dict[int, tuple[Wants, np.ndarray, np.ndarray]]
+    # every entry's bitmap, [entries, words], and the slot block's columns they set
+    # (RowFamily._set_columns), made once for the requests of that length
+    shaped: dict[int, tuple[Wants, np.ndarray, tuple]]
     # what a subclass derives from the entries, made once (capture: the columns a row
     # spans, whether any entry reads heads)
     memo: dict
@@ -88,6 +91,7 @@ class RowFamily(FamilyBase):
         # slot -> the columns its entries set, where they were staged alone (stage_runs),
         # which its removal resets
         self._runs: dict[int, np.ndarray] = {}
+        self._by_runs: bool | None = None  # _sets_runs, once known (subclasses' fields)
         self._plans: dict[tuple, EntryPlan] = {}  # entries -> their plan (_entry_plan)
         self._writes_extra = type(self).write_extra is not RowFamily.write_extra
         # the stream a large step's rows go home on (LabelledStep._rows_to_cpu): made
@@ -148,7 +152,9 @@ class RowFamily(FamilyBase):
         entries = self.entries(spec)
         self._runs.pop(slot, None)
         # entries that set only sites and bitmap words go as those columns, not the row
-        by_runs = bool(entries) and self._sets_runs() and \
+        if self._by_runs is None:
+            self._by_runs = self._sets_runs()
+        by_runs = bool(entries) and self._by_runs and \
             self.slots.claim_clean(slot, self._group())
         if not by_runs:
             self.reset_slot(slot, claim=bool(entries))
@@ -162,11 +168,14 @@ class RowFamily(FamilyBase):
         plan = self._entry_plan(entries)
         site, pos = self._site, self._pos
         site[slot, :len(plan.sites)] = plan.sites
-        wanted, bitmaps, runs = plan.shaped.get(prompt_len) or self._shape(plan, prompt_len)
-        pos[slot, :len(bitmaps)] = bitmaps
-        if by_runs:
+        wanted, bitmaps, (runs, cols, words) = plan.shaped.get(prompt_len) or \
+            self._shape(plan, prompt_len)
+        if by_runs:  # the other words of a clean slot are zero already
+            self.slots.host[slot, cols] = words
             self._runs[slot] = runs
             self.slots.stage_runs(slot, runs)
+        else:
+            pos[slot, :len(bitmaps)] = bitmaps
         if self._writes_extra:
             for i, entry in enumerate(entries):
                 self.write_extra(slot, i, entry)
@@ -203,9 +212,10 @@ class RowFamily(FamilyBase):
         plan.shaped[prompt_len] = shaped = (wanted, bitmaps, self._set_columns(bitmaps))
         return shaped
 
-    def _set_columns(self, bitmaps: np.ndarray) -> np.ndarray:
+    def _set_columns(self, bitmaps: np.ndarray) -> tuple:
         """The block columns entries with these bitmaps set: their sites, and per entry
-        the words from its first set bit's to its last's, as runs [m, 2]."""
+        the words from its first set bit's to its last's, as runs [m, 2]; and those words'
+        columns and values (what a clean slot's row gets beyond the sites)."""
         site, pos, words = self.fields.site.offset, self.fields.pos.offset, bitmaps.shape[1]
         runs = [(site, site + len(bitmaps))]
         for i, row in enumerate(bitmaps):
@@ -213,13 +223,17 @@ class RowFamily(FamilyBase):
             if len(set_words):
                 at = pos + i * words
                 runs.append((at + set_words[0], at + set_words[-1] + 1))
-        return np.array(runs, np.int64)
+        cols = np.concatenate([np.arange(lo, hi) for lo, hi in runs[1:]] or
+                              [np.zeros(0, np.int64)])
+        return np.array(runs, np.int64), cols, bitmaps.reshape(-1)[cols - pos]
 
     def _sets_runs(self) -> bool:
         """Whether a request's entries set only their sites and bitmaps (not heads, nor a
-        subclass's fields): then a clean slot is claimed and released by those columns."""
+        subclass's fields) of a large row: then a clean slot is claimed and released by
+        those columns."""
         return self.fields.heads is None and not self.extra_fields and \
-            not self._writes_extra
+            not self._writes_extra and self.slots.host.nbytes >= \
+            RUNS_FROM_BYTES * self.slots.host.shape[0]
 
     def _make_plan(self, entries: tuple) -> EntryPlan:
         sites, formats, rules = [], {}, {}
