@@ -153,3 +153,29 @@ def test_small_rows_are_staged_whole(monkeypatch):
     assert et.slots._dirty == {1} and not et.slots._runs
     et.slots.apply()
     assert np.array_equal(et.slots.gpu.numpy(), et.slots.host)
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.booleans(),
+                              st.lists(RULES, min_size=1, max_size=3), st.integers(1, 999)),
+                    max_size=20))
+def test_runs_leave_the_block_as_whole_rows_do(ops):
+    """The same admissions and removals staged by runs and staged whole leave the same
+    device block (the whole-row path is the one the engine tests check against HF)."""
+    blocks = []
+    for threshold in (0, 1 << 30):
+        rows.RUNS_FROM_BYTES = threshold
+        et, capture, _ = families(1000)
+        held: dict[int, str] = {}
+        for n, (slot, remove, rules, prompt_len) in enumerate(ops):
+            if slot in held:
+                capture.remove_request(held.pop(slot))
+            if not remove:
+                capture.add_request(slot, f"r{n}", prompt_len,
+                                    hs(rules[0], layers=tuple(range(min(2, len(rules))))))
+                held[slot] = f"r{n}"
+            if n % 3 == 2:
+                et.slots.apply()
+        et.slots.apply()
+        blocks.append(et.slots.gpu.numpy().copy())
+    assert np.array_equal(*blocks)
