@@ -6,9 +6,11 @@ a prefill step of 8 requests x 256 tokens capturing 3 sites at the last prompt p
 device time of the row routing's kernels (CUDA events), whose fit scan is one program
 over every request slot. With and without the routing graphs, in one launch; and
 before timing, the graphed routing of random batches against the torch reference.
-Needs torch and Triton only:
+Needs torch, Triton and, on a GPU, vLLM (the UVA view the routing graphs read the layout
+through):
 
-    PYTHONPATH=overlay python3 -m benchmarks.gpu.route_launch [--max-reqs 64,1024]
+    bash benchmarks/gpu/run_gpu.sh routelaunch   (ROUTE_ARGS="--max-reqs 64,1024")
+    PYTHONPATH=overlay python3 -m benchmarks.gpu.route_launch   (on the CPU)
 
 Prints one JSON line per (max_reqs, sites, graphs), then the check's line.
 """

@@ -7,6 +7,8 @@
 #                    with the device lagging the host (check_staging.py)
 #   firststep        a burst's first hooked step, piece by piece (first_step_host.py;
 #                    FIRST_ARGS="--samples 40 --label L")
+#   routelaunch      a capturing step's routing launches and replays (route_launch.py;
+#                    ROUTE_ARGS="--max-reqs 64,1024")
 #   <model> stock    TPOT, stock vLLM wheel
 #   <model> graphtap TPOT, patched wheel + graphtap (idle and steering alternate;
 #                    BENCH_ARGS="--modes idle,hs,qk,mixed,dump ..." for the capture loads)
@@ -30,6 +32,8 @@ while [ $# -gt 0 ]; do
     stagecheck) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 -m benchmarks.gpu.check_staging; shift ;;
     firststep) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
                -m benchmarks.gpu.first_step_host ${FIRST_ARGS:-}; shift ;;
+    routelaunch) PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
+               -m benchmarks.gpu.route_launch ${ROUTE_ARGS:-}; shift ;;
     report) python3 -m benchmarks.gpu.bench_tpot --report --out "$OUT"; shift ;;
     twin)   PYTHONPATH=/tmp/vllm-site/patched:$DEPS:$GT_SITE python3 \
                -m benchmarks.gpu.bench_twin --model "$2" --out "$OUT" ${TWIN_ARGS:-}; shift 2 ;;

@@ -232,8 +232,7 @@ class RowFamily(FamilyBase):
         subclass's fields) of a large row: then a clean slot is claimed and released by
         those columns."""
         return self.fields.heads is None and not self.extra_fields and \
-            not self._writes_extra and self.slots.host.nbytes >= \
-            RUNS_FROM_BYTES * self.slots.host.shape[0]
+            not self._writes_extra and self.slots.host[0].nbytes >= RUNS_FROM_BYTES
 
     def _make_plan(self, entries: tuple) -> EntryPlan:
         sites, formats, rules = [], {}, {}
