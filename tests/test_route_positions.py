@@ -40,6 +40,9 @@ class Recorder:
     def invalidate(self):
         pass
 
+    def takes_slot_writes(self):
+        return False
+
 
 def step(slot: int):
     """A request's prompt, alone in its step, in `slot`."""

@@ -144,13 +144,14 @@ def test_the_gpu_staging_check_passes_on_the_cpu():
     """benchmarks/gpu/check_staging.py's checks, here on the CPU (copies are synchronous:
     the device's lag is the GPU run's to show), so the script never rots."""
     from benchmarks.gpu.check_staging import (check_router, check_rows_stream,
-                                              check_slot_block, check_slot_runs,
-                                              check_snapshots)
+                                              check_slot_block, check_slot_fold,
+                                              check_slot_runs, check_snapshots)
 
     assert check_slot_block(rounds=5) == 0
     assert check_slot_runs(rounds=5) == 0
     assert check_router(rounds=5) == 0
     assert check_router(rounds=5, graphs=True) == 0
+    assert check_slot_fold(rounds=3) == 0
     assert check_snapshots(rounds=5) == 0
     assert check_rows_stream(rounds=3) == (0, 0)
 

@@ -127,7 +127,7 @@ def test_staged_rows_stay_put_until_the_device_may_have_read_them(depth, steps):
             block.reset(slot, block.group([f]), claim=True)
             block.host_view(f)[slot] = (n, slot, n * slot)
         rows = sorted(set(slots))
-        index, values = block.staging.stage(np.array(rows), block.host)
+        index, values = block.staging.views(*block.staging.stage(np.array(rows), block.host))
         staged.append((index, values, index.clone(), values.clone()))
         assert index.tolist() == rows and values.tolist() == block.host[rows].tolist()
         block._dirty.clear()

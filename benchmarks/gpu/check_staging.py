@@ -5,7 +5,8 @@ wrote them,
 also while the device runs behind the host by as many steps as the ring has buffers
 (a sleep kernel first: the engine's async scheduling, at its worst). The router routes
 as the torch router does, also where one graph replays the tokens' and a family's rows,
-and where the graphs copy the layout and a runner's positions themselves,
+and where the graphs copy the layout and a runner's positions themselves and apply the
+slot block's staged writes before they route the rows that read them (check_slot_fold),
 and a small step's snapshot (host copies queued on the main stream) holds the step's
 rows whatever the next step writes; a large step's rows, which go home on a stream of
 their own after vLLM's copy event, are the step's when read right after that event.
@@ -146,6 +147,91 @@ def check_router(rounds: int = 40, seed: int = 0, graphs: bool = False) -> int:
             n = b.num_tokens
             bad += not (torch.equal(slot, ref.tok_slot[:n]) and
                         torch.equal(row, ref.tok_row[:n]) and torch.equal(pos, want))
+    return bad
+
+
+def check_slot_fold(rounds: int = 40, seed: int = 0) -> int:
+    """Steps whose slot block or row routing differs from the reference, DEPTH steps a
+    round under device lag: each step admits capture entries into random slots (whole
+    rows, and column runs through the element ring), defers the staged writes
+    (SlotBlock.apply(defer=True)) and routes its tokens and rows in one graph replay,
+    which applies them first; the reference applies them at once and routes with the
+    torch router. The row routing must read the step's new entries."""
+    from graphtap.ops.backend import _triton
+
+    rng = np.random.default_rng(seed)
+    sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=2, hidden=64,
+                  steer_width=64, dtype=torch.float32, max_steers=1, max_vectors=2,
+                  max_captures=2, capture_rows=TOKENS, capture_width=64, pattern_rows=8,
+                  num_heads=2, patterns=False, staging_depth=DEPTH)
+    et, ref_et = allocate(sizes, _triton(False), DEV), allocate(sizes, TORCH, DEV)
+    staged = TokenRouter(et.ops, staging_depth=DEPTH, slots=et.slots)
+    ref = TokenRouter(ref_et.ops)
+    runner = torch.zeros(TOKENS, dtype=torch.int64, device=DEV)
+    staged.capture_graphs([et.ops.capture], 512, capture=None if DEV.type == "cuda" else
+                          (lambda body: SimpleNamespace(replay=body)))
+    staged.learn_positions(runner[:1])
+    staged.adopt_positions()
+    assert staged.takes_slot_writes()
+    block, fields = et.slots, et.capture
+    group = block.group([fields.site, fields.pos])
+    held: dict[int, np.ndarray] = {}
+    bad = 0
+    for _ in range(rounds):
+        lag()
+        steps = []
+        for _ in range(DEPTH):
+            reqs = int(rng.integers(1, SLOTS))
+            slots = rng.choice(SLOTS, reqs, replace=False).astype(np.int32)
+            for slot in (int(s) for s in slots):
+                if slot in held:  # its runs back to inactive first
+                    block.release_runs(slot, group, held.pop(slot))
+                site, word = int(rng.integers(0, 2)), int(rng.integers(0, 16))
+                bits = int(rng.integers(1, 2**31))
+                if rng.random() < 0.5 and block.claim_clean(slot, group):
+                    w = fields.pos.offset + word
+                    runs = np.array([[fields.site.offset, fields.site.offset + 1],
+                                     [w, w + 1]], np.int64)
+                    block.host[slot, runs[0, 0]] = site
+                    block.host[slot, w] = bits
+                    block.stage_runs(slot, runs)
+                    held[slot] = runs
+                else:
+                    block.reset(slot, group, claim=True)
+                    block.host_view(fields.site)[slot, 0] = site
+                    block.host_view(fields.pos)[slot, 0, word] = bits
+            block.apply(defer=True)
+            lengths = rng.integers(1, TOKENS // SLOTS, reqs)
+            qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            n = int(qsl[-1])
+            runner[:n].copy_(torch.from_numpy(rng.integers(0, 500, n)).to(DEV))
+            b = SimpleNamespace(
+                req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=n,
+                num_tokens_after_padding=n, query_start_loc_np=qsl,
+                query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
+                idx_mapping=torch.from_numpy(slots).to(DEV), positions=runner[:n])
+            staged.invalidate()
+            staged.route(b, rows=et.ops.capture)
+            staged.route_rows(et.ops.capture, b, 512)
+            bad += block._pending is not None  # the replay took them
+            block.flush()
+            t = et.ops.capture
+            steps.append((b, block.host.copy(), block.gpu.clone(), t.count.clone(),
+                          t.labels.clone(), runner[:n].clone()))
+        sync()
+        for b, host, gpu, count, labels, positions in steps:
+            rb = ref_et.slots
+            rb.host[:] = host
+            rb.gpu.copy_(torch.from_numpy(host))
+            b.positions = positions
+            ref.invalidate()
+            ref.route(b)
+            ref.route_rows(ref_et.ops.capture, b, 512)
+            rt = ref_et.ops.capture
+            used = min(int(rt.count[0]), rt.rows)
+            bad += not (np.array_equal(gpu.cpu().numpy(), host) and
+                        torch.equal(count.cpu(), rt.count.cpu()) and
+                        torch.equal(labels[:used].cpu(), rt.labels[:used].cpu()))
     return bad
 
 
@@ -300,12 +386,13 @@ def main() -> int:
     found = {"slot_block_mismatches": check_slot_block(),
              "slot_runs_mismatches": check_slot_runs(), "router_bad_steps": check_router(),
              "router_graphs_bad_steps": check_router(graphs=True),
+             "slot_fold_bad_steps": check_slot_fold(),
              "snapshot_bad_steps": check_snapshots(), "rows_stream_bad_steps": bad,
              "rows_home_after_tokens_steps": early,
              "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"}
     ok = found["slot_block_mismatches"] == 0 and found["slot_runs_mismatches"] == 0 and \
         found["router_bad_steps"] == 0 and \
-        found["router_graphs_bad_steps"] == 0 and \
+        found["router_graphs_bad_steps"] == 0 and found["slot_fold_bad_steps"] == 0 and \
         found["snapshot_bad_steps"] == 0 and bad == 0
     print(json.dumps({**found, "ok": ok}, indent=1))
     return 0 if ok else 1

@@ -85,7 +85,7 @@ def engine(max_reqs: int = 64):
                         num_heads=32, patterns=False), backend, DEV)
     cap = CaptureFamily(et.ops.capture, et.capture, et.slots, widths=WIDTHS, backend=backend,
                         sites=sites, max_len=4096, model_dtype=torch.bfloat16)
-    router = TokenRouter(et.ops)
+    router = TokenRouter(et.ops, slots=et.slots)  # its replays apply the staged writes
     router.capture_graphs([et.ops.capture], 4096)
     router.learn_positions(RUNNER_POSITIONS[:1])  # as the engine's dummy steps
     router.adopt_positions()  # the graphs copy the positions: one replay a step
@@ -151,12 +151,30 @@ def measure(name: str, spec: NormalisedSpec, samples: int) -> dict:
     def to_cpu():
         steps[-1].to_cpu_nonblocking()
 
-    def step():
-        prepare()
+    def finish():
         collect()
         to_cpu()
         if len(steps) > 4:
             steps.pop(0)
+
+    def step():
+        prepare()
+        finish()
+
+    def admit():  # the request again, into its slot: its row staged
+        cap.remove_request(f"r{slot}")
+        cap.add_request(slot, f"r{slot}", tokens, spec)
+
+    def admit_step(fold: bool):
+        """The engine's step with a new request: admission, the staged writes (applied
+        in the routing's replay, or by their own index copy first), the step."""
+        def go():
+            admit()
+            et.slots.apply(defer=fold)
+            prepare()
+            et.slots.flush()
+            finish()
+        return go
 
     step()
     sync()
@@ -173,6 +191,8 @@ def measure(name: str, spec: NormalisedSpec, samples: int) -> dict:
         "collect": lambda: (collect(), steps.pop(0) if len(steps) > 4 else None),
         "collect_to_cpu": lambda: (collect(), to_cpu(), steps.pop(0) if len(steps) > 4 else None),
         "small_launch": lambda: t.count[:1].fill_(0),
+        "admit": admit, "admit_apply": lambda: (admit(), et.slots.apply()),
+        "admit_step_fold": admit_step(True), "admit_step_copy": admit_step(False),
         "pinned_empty_4k": lambda: torch.empty(1024, dtype=torch.int32,
                                                pin_memory=DEV.type == "cuda"),
     }

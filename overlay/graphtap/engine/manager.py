@@ -143,7 +143,8 @@ class EngineHooks(HookManager):
         self.slots = tables.slots
         # Heads are steered at z, whose slot has no positions: the router copies them.
         self.router = TokenRouter(tables.ops, positions=any(
-            s.kind == "attn_z" for s in self.sites.sites), staging_depth=sizes.staging_depth)
+            s.kind == "attn_z" for s in self.sites.sites), staging_depth=sizes.staging_depth,
+            slots=tables.slots)
         rows = dict(backend=backend, sites=self.sites, max_len=mc.max_model_len,
                     model_dtype=mc.dtype, split=self.split)
         bank = VectorBank(tables.ops.steer)  # resident vectors: steering and probe weights
@@ -257,7 +258,8 @@ class EngineHooks(HookManager):
 
     def apply_staged_writes(self) -> None:
         with named("graphtap.apply_staged_writes"), self.clock.phase("apply_staged_writes"):
-            self.slots.apply()
+            # a routing replay applies them where there is one (engine/router.py)
+            self.slots.apply(defer=self.router.takes_slot_writes())
             for family in self.families:
                 family.apply_staged_writes()
 
@@ -292,6 +294,7 @@ class EngineHooks(HookManager):
                                       rows=routing[0] if len(routing) == 1 else None)
                 else:
                     self.router.deactivate()
+                self.slots.flush()  # what no replay took, before the rows' routing reads it
             with clock.phase("prepare_route_rows"):
                 for family, plan in zip(self.families, plans):
                     if plan:
@@ -300,6 +303,7 @@ class EngineHooks(HookManager):
                         family.deactivate()
 
     def prepare_capture(self) -> None:
+        self.slots.flush()
         self.router.adopt_positions()
         self.router.deactivate()
         for family in self.families:

@@ -37,6 +37,8 @@ logger = get_logger(__name__)
 ENV = "GRAPHTAP_ROUTING_GRAPHS"  # "0": launch the routing kernels every step (the A/B)
 # "0": the graphs leave the positions' copy to the router, a call of its own (the A/B)
 POSITIONS_ENV = "GRAPHTAP_ROUTING_POSITIONS"
+# "0": the slot block's staged writes stay an index copy of their own (the A/B)
+SLOT_WRITES_ENV = "GRAPHTAP_ROUTING_SLOT_WRITES"
 
 
 def buckets(max_tokens: int, block: int) -> list[int]:
@@ -56,6 +58,10 @@ def wanted(device: torch.device, backend) -> bool:
 
 def copy_positions() -> bool:
     return os.environ.get(POSITIONS_ENV, "") != "0"
+
+
+def apply_slot_writes() -> bool:
+    return os.environ.get(SLOT_WRITES_ENV, "") != "0"
 
 
 def cuda_graphs() -> Callable[[Callable[[], None]], "torch.cuda.CUDAGraph"]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from graphtap.engine import route_graphs
-from graphtap.engine.slots import HostRing
+from graphtap.engine.slots import HEADER, HostRing, SlotBlock
 from graphtap.log import get_logger
 from graphtap.ops.tables import OpTables, RowTables
 
@@ -25,8 +25,11 @@ logger = get_logger(__name__)
 class TokenRouter:
     """The step's token row -> (request slot, batch row) map, kept in OpTables."""
 
-    def __init__(self, tables: OpTables, positions: bool = False, staging_depth: int = 2):
+    def __init__(self, tables: OpTables, positions: bool = False, staging_depth: int = 2,
+                 slots: SlotBlock | None = None):
         self.t = tables
+        # the slot block whose staged writes the graphs apply first (takes_slot_writes)
+        self._slots = slots if route_graphs.apply_slot_writes() else None
         self.positions = positions  # keep tok_pos (ops at slots without positions)
         self._last_layout: tuple | None = None
         self._idle = True
@@ -43,12 +46,15 @@ class TokenRouter:
         if self.staged:
             # The batch's layout at fixed addresses (route_tokens_triton): the request
             # count, query_start_loc and idx_mapping in one block, written on the host
-            # from the batch's host arrays and copied in one call (three launches before)
+            # from the batch's host arrays and copied in one call (three launches before),
+            # then the header of the slot block's staged writes, which a replay applies
             device, slots = tables.tok_slot.device, tables.sentinel + 1
-            self._layout = torch.zeros(2 * slots + 2, dtype=torch.int32, device=device)
-            self._nreq, self._qsl, self._idx = \
-                self._layout[:1], self._layout[1:slots + 2], self._layout[slots + 2:]
-            self._ring = HostRing((2 * slots + 2,), torch.int32, device, staging_depth)
+            size = 2 * slots + 2 + HEADER
+            self._layout = torch.zeros(size, dtype=torch.int32, device=device)
+            self._nreq, self._qsl, self._idx, self._header = \
+                self._layout[:1], self._layout[1:slots + 2], \
+                self._layout[slots + 2:2 * slots + 2], self._layout[2 * slots + 2:]
+            self._ring = HostRing((size,), torch.int32, device, staging_depth)
         if tables.backend.name != "torch":
             # Compile the kernel now, not in the first hooked step (only the sentinel
             # request, one token).
@@ -97,12 +103,26 @@ class TokenRouter:
         self.deactivate(force=True)
 
     def _stage_fn(self, layout: torch.Tensor, positions: torch.Tensor | None):
-        """What a graph on one ring buffer does before it routes b tokens."""
+        """What a graph on one ring buffer does before it routes b tokens: the layout's
+        copy, the positions' and the slot block's staged writes (which the row routing
+        and the forward read)."""
+        slots = self._slots
+        if slots is not None:
+            from graphtap.ops.stage_triton import apply_staged_triton
+
         def stage(b: int) -> None:
             self._layout.copy_(layout, non_blocking=True)
             if positions is not None:  # one device copy node
                 self.t.tok_pos[:b].copy_(positions[:b], non_blocking=True)
+            if slots is not None:
+                apply_staged_triton(slots.gpu, self._header, slots.staging.rings(),
+                                    slots.elements.rings())
         return stage
+
+    def takes_slot_writes(self) -> bool:
+        """Whether a replay applies the slot block's staged writes (so SlotBlock.apply
+        may defer them; the manager flushes what no replay took, after route)."""
+        return self._slots is not None and self.graphs is not None
 
     def learn_positions(self, positions: torch.Tensor) -> None:
         """A dummy step's positions: a view of the runner's buffer, whose whole the
@@ -162,7 +182,7 @@ class TokenRouter:
             # one replay: the layout's and positions' copies, the tokens (and one
             # family's rows); the same layout again routes its tokens again (microseconds
             # of the device) for the positions' copy
-            stage = self._stage_layout(input_batch, num_reqs)
+            stage = self._stage_layout(input_batch, num_reqs, slot_writes=True)
             if rows is not None:
                 self.graphs.tokens_and_rows(id(rows), n, stage)
                 self._rows_done = id(rows)
@@ -190,13 +210,17 @@ class TokenRouter:
                            "routing graphs copy from; such steps launch the routing kernels")
         return False
 
-    def _stage_layout(self, input_batch, num_reqs: int) -> int:
-        """The step's layout written into the host ring's next buffer; its index."""
+    def _stage_layout(self, input_batch, num_reqs: int, slot_writes: bool = False) -> int:
+        """The step's layout written into the host ring's next buffer; its index.
+        `slot_writes`: a replay follows, which applies the slot block's pending writes
+        (the header says there are none otherwise)."""
         i = self._ring.take_index()
         layout, slots = self._ring.numpy(i), self._idx.shape[0]
         layout[0] = num_reqs
         layout[1:num_reqs + 2] = input_batch.query_start_loc_np[:num_reqs + 1]
         layout[slots + 2:slots + 2 + num_reqs] = input_batch.idx_mapping_np[:num_reqs]
+        layout[2 * slots + 2:] = self._slots.take_pending() \
+            if slot_writes and self._slots is not None else (0, 0, 0, 0)
         return i
 
     def route_rows(self, t: RowTables, input_batch, max_len: int) -> None:

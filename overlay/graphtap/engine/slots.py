@@ -24,6 +24,8 @@ _NP = {torch.int32: np.int32, torch.float32: np.float32}
 # single elements a step's staged write holds (SlotBlock.elements, 768 KiB a buffer); past
 # them rows go whole (an element stages 12 bytes, a row's column 4)
 ELEMENTS = 1 << 16
+# the words of a deferred write's header (take_pending; ops/stage_triton.py reads them)
+HEADER = 4
 
 
 def _elements(runs: dict[int, list[np.ndarray]], width: int) -> np.ndarray:
@@ -106,8 +108,10 @@ class HostRing:
                  depth: int):
         assert depth >= 2, depth
         self.pinned = device.type == "cuda"
-        self._bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.pinned)
-                      for _ in range(depth)]
+        # one allocation: a kernel reads any buffer of it, chosen on the device (whole())
+        self._whole = torch.zeros((depth, *shape), dtype=dtype, pin_memory=self.pinned)
+        self._whole_view: torch.Tensor | None = None
+        self._bufs = list(self._whole.unbind(0))
         self._np = [b.numpy() for b in self._bufs]
         self._views: list[torch.Tensor | None] = [None] * depth
         self._next = 0
@@ -132,10 +136,18 @@ class HostRing:
             return self._bufs[i]
         view = self._views[i]
         if view is None:
+            view = self._views[i] = self.whole()[i]
+        return view
+
+    def whole(self) -> torch.Tensor:
+        """Every buffer, [depth, *shape], as the device reads them."""
+        if not self.pinned:
+            return self._whole
+        if self._whole_view is None:
             from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
-            view = self._views[i] = get_accelerator_view_from_cpu_tensor(self._bufs[i])
-        return view
+            self._whole_view = get_accelerator_view_from_cpu_tensor(self._whole)
+        return self._whole_view
 
 
 class Staging:
@@ -149,13 +161,23 @@ class Staging:
         self._values = HostRing((rows, width) if width else (rows,), torch.int32, device,
                                 depth)
 
-    def stage(self, rows: np.ndarray, host: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' indices and their host values, in the rings' next buffers."""
-        i, j = self._index.take_index(), self._values.take_index()
+    def stage(self, rows: np.ndarray, host: np.ndarray) -> tuple[int, int]:
+        """The rows' indices and their host values, in the rings' next buffers (taken
+        together: one buffer index for both); (that index, how many rows)."""
+        i = self._index.take_index()
+        self._values.take_index()
         k = len(rows)
         self._index.numpy(i)[:k] = rows
-        np.take(host, rows, axis=0, out=self._values.numpy(j)[:k])
-        return self._index.view(i)[:k], self._values.view(j)[:k]
+        np.take(host, rows, axis=0, out=self._values.numpy(i)[:k])
+        return i, k
+
+    def views(self, i: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffer i's first k indices and values, as the device reads them."""
+        return self._index.view(i)[:k], self._values.view(i)[:k]
+
+    def rings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every buffer's indices and values, as a kernel that picks one reads them."""
+        return self._index.whole(), self._values.whole()
 
 
 class SlotBlock:
@@ -177,6 +199,9 @@ class SlotBlock:
         self._dirty: set[int] = set()
         self._runs: dict[int, list[np.ndarray]] = {}  # slot -> column runs [m, 2] to write
         self._groups: dict[tuple[int, ...], FieldGroup] = {}  # by the fields' offsets
+        # staged, not yet on the device (apply(defer=True)): ((buffer, rows) of the rows'
+        # rings or None, the same of the elements' or None)
+        self._pending: tuple | None = None
 
     def view(self, f: SlotField) -> torch.Tensor:
         """The device view of a field: [slots, *shape], strides (block width, ...)."""
@@ -255,19 +280,46 @@ class SlotBlock:
         group.clean[slot] = 1
         self.stage_runs(slot, runs)
 
-    def apply(self) -> None:
+    def apply(self, defer: bool = False) -> None:
+        """The staged rows and column runs into the staging rings, and onto the device:
+        now, or (`defer`) by whoever takes them (take_pending: the router's next graph
+        replay, which applies them first) or else by flush(), before the step's forward
+        and its routing read the block."""
+        self.flush()  # a step that staged writes and never reached its forward
+        elements = rows = None
         if self._runs:
             runs = {s: r for s, r in self._runs.items() if s not in self._dirty}
             self._runs.clear()
             if runs:
                 index = _elements(runs, self.host.shape[1])
                 if len(index) <= self.elements.capacity:
-                    self.gpu.view(-1).index_copy_(
-                        0, *self.elements.stage(index, self.host.reshape(-1)))
+                    elements = self.elements.stage(index, self.host.reshape(-1))
                 else:  # more than the element ring holds: those rows whole
                     self._dirty.update(runs)
-        if not self._dirty:
+        if self._dirty:
+            slots = np.fromiter(sorted(self._dirty), dtype=np.int64, count=len(self._dirty))
+            self._dirty.clear()
+            rows = self.staging.stage(slots, self.host)
+        if elements is not None or rows is not None:
+            self._pending = (rows, elements)
+            if not defer:
+                self.flush()
+
+    def flush(self) -> None:
+        """The pending staged writes as index copies (the reference of
+        ops/stage_triton.py's kernels)."""
+        if self._pending is None:
             return
-        rows = np.fromiter(sorted(self._dirty), dtype=np.int64, count=len(self._dirty))
-        self._dirty.clear()
-        self.gpu.index_copy_(0, *self.staging.stage(rows, self.host))
+        rows, elements = self._pending
+        self._pending = None
+        if elements is not None:
+            self.gpu.view(-1).index_copy_(0, *self.elements.views(*elements))
+        if rows is not None:
+            self.gpu.index_copy_(0, *self.staging.views(*rows))
+
+    def take_pending(self) -> tuple[int, int, int, int]:
+        """The pending writes as ops/stage_triton.py's header (rows' buffer and count,
+        elements' buffer and count; counts 0: none), now the taker's to apply."""
+        rows, elements = self._pending or (None, None)
+        self._pending = None
+        return (*(rows or (0, 0)), *(elements or (0, 0)))
