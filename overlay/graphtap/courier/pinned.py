@@ -2,7 +2,7 @@
 home will ask for.
 
 Why: a capture step's rows, labels and count go home into pinned host memory (a
-non_blocking copy to the CPU, or host_copy for a small step), which torch's caching host
+non_blocking copy to the CPU, or host_copies for a small step), which torch's caching host
 allocator hands out in power-of-two blocks and keeps once freed. A size it has not held
 yet is a cudaHostAlloc on the engine core's busy loop, milliseconds for a few MiB, and
 every request of the batch waits for it: on H100 and H200 hosts (sessions 37-39, five
