@@ -5,6 +5,7 @@ that many. The pool itself is torch's (CUDA only): the GPU launches show whether
 burst's first capture step still allocates (benchmarks/gpu, host clock's to_cpu and
 collect)."""
 import pytest
+import torch
 
 from graphtap.courier.pinned import DEPTH, FLOOR, buckets, warm_pinned_pool, warm_plan
 
@@ -88,3 +89,18 @@ def test_the_pool_is_warmed_again_once_vllm_has_captured_its_graphs():
                                   batched_tokens=32)
     manager.after_capture()
     assert manager._warm_pinned() == 0
+
+
+def test_a_small_steps_copies_home_share_one_block():
+    """host_copies: each tensor's values, 16-byte aligned parts of one host block (one
+    pinned allocation on the busy loop for the head and the rows)."""
+    from graphtap.engine.rows import host_copies
+
+    head = torch.arange(7, dtype=torch.int32)
+    rows = torch.randn(3, 5).to(torch.bfloat16)
+    h, r = host_copies(head, rows)
+    assert torch.equal(h, head) and torch.equal(r, rows)
+    assert h.untyped_storage().data_ptr() == r.untyped_storage().data_ptr()
+    assert r.data_ptr() % 16 == 0 and r.shape == rows.shape and r.dtype == rows.dtype
+    empty, = host_copies(torch.zeros(0, 4))
+    assert empty.shape == (0, 4)
