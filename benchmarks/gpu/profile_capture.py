@@ -126,7 +126,8 @@ def burst(llm, cfg, mode: str, n: int, in_len: int, out_len: int, sink: str = "h
 # when replayed from a CUDA graph
 GRAPHTAP_KERNELS = ("_capture_kernel", "_steer_kernel", "_pattern_kernel", "_tokens_kernel",
                     "_flags_kernel", "_rows_kernel", "_fit_kernel", "_refit_kernel",
-                    "_probe_kernel", "_mass_kernel")
+                    "_probe_kernel", "_mass_kernel", "_staged_rows_kernel",
+                    "_staged_elements_kernel")
 
 
 def device_ms(prof) -> tuple[float, float]:

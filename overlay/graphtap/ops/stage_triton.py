@@ -19,7 +19,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def _rows_kernel(block_ptr, hdr_ptr, index_ptr, values_ptr, width, capacity,
+def _staged_rows_kernel(block_ptr, hdr_ptr, index_ptr, values_ptr, width, capacity,
                  BLOCK: tl.constexpr):
     r = tl.program_id(0)
     if r >= tl.load(hdr_ptr + 1):
@@ -34,7 +34,7 @@ def _rows_kernel(block_ptr, hdr_ptr, index_ptr, values_ptr, width, capacity,
 
 
 @triton.jit
-def _elements_kernel(flat_ptr, hdr_ptr, index_ptr, values_ptr, capacity,
+def _staged_elements_kernel(flat_ptr, hdr_ptr, index_ptr, values_ptr, capacity,
                      BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < tl.load(hdr_ptr + 3)
@@ -53,8 +53,9 @@ def apply_staged_triton(block: torch.Tensor, header: torch.Tensor,
     int64, values [depth, E] int32) over the flattened block."""
     index, values = rows
     capacity, width = values.shape[1], values.shape[2]
-    _rows_kernel[(capacity,)](block, header, index, values, width, capacity, BLOCK=BLOCK)
+    _staged_rows_kernel[(capacity,)](block, header, index, values, width, capacity,
+                                     BLOCK=BLOCK)
     index, values = elements
     capacity = values.shape[1]
-    _elements_kernel[(triton.cdiv(capacity, BLOCK),)](block, header, index, values,
-                                                      capacity, BLOCK=BLOCK)
+    _staged_elements_kernel[(triton.cdiv(capacity, BLOCK),)](block, header, index, values,
+                                                             capacity, BLOCK=BLOCK)
