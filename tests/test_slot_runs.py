@@ -12,7 +12,6 @@ from helpers import engine_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphtap.engine import rows
 from graphtap.engine import slots as slots_module
 from graphtap.engine.families.capture import CaptureFamily
 from graphtap.engine.families.pattern import PatternFamily
@@ -30,7 +29,7 @@ RULES = st.one_of(st.sampled_from(["all", "prompt", "generated", "last_prompt"])
 
 @pytest.fixture(autouse=True)
 def runs_whatever_the_row(monkeypatch):
-    monkeypatch.setattr(rows, "RUNS_FROM_BYTES", 0)
+    monkeypatch.setattr(slots_module, "RUNS_FROM_BYTES", 0)
 
 
 def families(max_len: int):
@@ -147,7 +146,7 @@ def test_a_slot_claimed_dirty_is_reset_whole(max_len):
 
 def test_small_rows_are_staged_whole(monkeypatch):
     """Below RUNS_FROM_BYTES a request's row is staged whole, as before the runs."""
-    monkeypatch.setattr(rows, "RUNS_FROM_BYTES", 1 << 30)
+    monkeypatch.setattr(slots_module, "RUNS_FROM_BYTES", 1 << 30)
     et, capture, _ = families(280)
     capture.add_request(1, "r1", 100, hs())
     assert et.slots._dirty == {1} and not et.slots._runs
@@ -164,7 +163,7 @@ def test_runs_leave_the_block_as_whole_rows_do(ops):
     device block (the whole-row path is the one the engine tests check against HF)."""
     blocks = []
     for threshold in (0, 1 << 30):
-        rows.RUNS_FROM_BYTES = threshold
+        slots_module.RUNS_FROM_BYTES = threshold
         et, capture, _ = families(1000)
         held: dict[int, str] = {}
         for n, (slot, remove, rules, prompt_len) in enumerate(ops):

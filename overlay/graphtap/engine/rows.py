@@ -30,10 +30,6 @@ from graphtap.spec.sites import SiteTable
 PLANS = 256  # EntryPlans a family remembers (distinct entries of recent requests)
 SHAPES = 64  # prompt lengths a plan remembers its Wants and bitmaps for
 SHAPES_BYTES = 4 << 20  # and at most this many bytes of bitmaps (a long max_model_len)
-# Slot rows from this size on are staged by the columns a request sets (stage_runs);
-# smaller ones whole, which costs less host time than the runs' bookkeeping (dev CPU,
-# test_admission_step_long_context: about 1 us a request at max_model_len 2048)
-RUNS_FROM_BYTES = 16 << 10
 
 
 def host_copies(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -239,7 +235,7 @@ class RowFamily(FamilyBase):
         subclass's fields) of a large row: then a clean slot is claimed and released by
         those columns."""
         return self.fields.heads is None and not self.extra_fields and \
-            not self._writes_extra and self.slots.host[0].nbytes >= RUNS_FROM_BYTES
+            not self._writes_extra and self.slots.stages_runs()
 
     def _make_plan(self, entries: tuple) -> EntryPlan:
         sites, formats, rules = [], {}, {}

@@ -21,9 +21,14 @@ import numpy as np
 import torch
 
 _NP = {torch.int32: np.int32, torch.float32: np.float32}
-# single elements a step's staged write holds (SlotBlock.elements, 768 KiB a buffer); past
-# them rows go whole (an element stages 12 bytes, a row's column 4)
-ELEMENTS = 1 << 16
+# single elements a step's staged write holds (SlotBlock.elements, 3 MiB a buffer, where
+# rows are staged by runs; a steering entry at every position of max_model_len 131072 is
+# 4096 of them); past them rows go whole (an element stages 12 bytes, a row's column 4)
+ELEMENTS = 1 << 18
+# Slot rows from this size on are staged by the columns a request sets (stage_runs);
+# smaller ones whole, which costs less host time than the runs' bookkeeping (dev CPU,
+# test_admission_step_long_context: about 1 us a request at max_model_len 2048)
+RUNS_FROM_BYTES = 16 << 10
 # the words of a deferred write's header (take_pending; ops/stage_triton.py reads them)
 HEADER = 4
 
@@ -195,7 +200,8 @@ class SlotBlock:
         # single elements (stage_runs): a request's position bitmaps are max_model_len / 32
         # words an entry, of which it sets a few, so its whole row, which a long
         # max_model_len makes hundreds of KiB, need not travel
-        self.elements = Staging(ELEMENTS, None, device, staging_depth)
+        self.elements = Staging(ELEMENTS if self.stages_runs() else 1, None, device,
+                                staging_depth)
         self._dirty: set[int] = set()
         self._runs: dict[int, list[np.ndarray]] = {}  # slot -> column runs [m, 2] to write
         self._groups: dict[tuple[int, ...], FieldGroup] = {}  # by the fields' offsets
@@ -254,6 +260,10 @@ class SlotBlock:
     def stage(self, slot: int) -> None:
         self._dirty.add(slot)
 
+    def stages_runs(self) -> bool:
+        """Whether a family that can should stage the columns it sets, not whole rows."""
+        return self.host[0].nbytes >= RUNS_FROM_BYTES
+
     # A family whose entries set few columns of their fields (a row family's sites and
     # the words of its position bitmaps that hold a set bit) claims a clean slot, writes
     # those columns on the host and stages only them; its release puts them back to the
@@ -291,11 +301,19 @@ class SlotBlock:
             runs = {s: r for s, r in self._runs.items() if s not in self._dirty}
             self._runs.clear()
             if runs:
-                index = _elements(runs, self.host.shape[1])
-                if len(index) <= self.elements.capacity:
-                    elements = self.elements.stage(index, self.host.reshape(-1))
-                else:  # more than the element ring holds: those rows whole
-                    self._dirty.update(runs)
+                # as many slots' runs as the element ring holds; the others' rows whole
+                counts = np.fromiter((sum(int((r[:, 1] - r[:, 0]).sum()) for r in rs)
+                                      for rs in runs.values()), np.int64, len(runs))
+                fit = int(np.searchsorted(np.cumsum(counts), self.elements.capacity,
+                                          side="right"))
+                if fit < len(runs):
+                    over = list(runs)[fit:]
+                    self._dirty.update(over)
+                    for slot in over:
+                        del runs[slot]
+                if runs:
+                    elements = self.elements.stage(_elements(runs, self.host.shape[1]),
+                                                   self.host.reshape(-1))
         if self._dirty:
             slots = np.fromiter(sorted(self._dirty), dtype=np.int64, count=len(self._dirty))
             self._dirty.clear()

@@ -37,6 +37,14 @@ class SteerFamily(FamilyBase):
         self._slot_of: dict[str, int] = {}
         self._heads: set[str] = set()  # requests that steer heads at attn.hook_z
         self._fields = self.slots.group(self.fields.all)  # reset together
+        # slot -> the columns its request set, where they were staged alone (a long
+        # max_model_len's rows: stage_runs), to be put back at its removal
+        self._runs: dict[int, np.ndarray] = {}
+        # per field, its columns per entry (entries side by side in a field's columns)
+        self._per_entry = {name: (f.offset, f.size // f.shape[0])
+                           for name, f in ((n, getattr(self.fields, n)) for n in (
+                               "site", "vec", "coef", "pos", "cond_site", "cond_vec",
+                               "cond_mode", "cond_coef", "cond_pos", "gate"))}
         # the fields' host views, made once (the host block never moves): four views a
         # request were a third of a steering request's admission here
         self._host = {name: self.slots.host_view(getattr(self.fields, name))
@@ -48,14 +56,21 @@ class SteerFamily(FamilyBase):
         self.remove_request(req_id)
         wanted = [(s.key, s.vector) for s in spec.steer] + \
             [(s.condition.key, s.condition.vector) for s in spec.steer if s.condition]
-        # a refilled slot's gates start undecided (off)
-        self.slots.reset(slot, self._fields, claim=bool(wanted))
+        # a long max_model_len's row is hundreds of KiB (every entry's bitmap of every
+        # family), of which a steering request sets a few columns: a clean slot is
+        # claimed and only those staged (a refilled slot's gates start undecided, off)
+        by_runs = bool(wanted) and self.slots.stages_runs() and \
+            self.slots.claim_clean(slot, self._fields)
+        if not by_runs:
+            self.slots.reset(slot, self._fields, claim=bool(wanted))
         if not wanted:  # its fields stay inactive: nothing to look up (a capture request)
             return
         try:
             rows = self.bank.acquire_all(wanted)
         except BankFull as e:  # refuse the request, never raise: the engine would die
             self._refused[req_id] = f"hooks.steer: {e}: this request ran unsteered"
+            if by_runs:  # nothing written: the slot is still clean
+                self._fields.clean[slot] = 1
             return
         h = self._host
         site, vec, coef, pos = h["site"][slot], h["vec"][slot], h["coef"][slot], h["pos"][slot]
@@ -69,8 +84,31 @@ class SteerFamily(FamilyBase):
                 self._write_condition(slot, i, s.condition, next(cond_rows), prompt_len)
         self._keys[req_id] = [key for key, _ in wanted]
         self._slot_of[req_id] = slot
+        if by_runs:
+            runs = self._set_runs(spec, pos)
+            self._runs[slot] = runs
+            self.slots.stage_runs(slot, runs)
         if any(s.kind == "attn_z" for s in spec.steer):
             self._heads.add(req_id)
+
+    def _set_runs(self, spec: NormalisedSpec, pos: np.ndarray) -> np.ndarray:
+        """The columns a request's entries set, as runs [m, 2]: per entry its fields'
+        columns (its gate's included, whose device value the op may have changed), of
+        its bitmap the words from the first set bit's to the last's, and its
+        condition's fields where it has one."""
+        runs = []
+        for i, s in enumerate(spec.steer):
+            names = ("site", "vec", "coef", "gate") + (
+                ("cond_site", "cond_vec", "cond_mode", "cond_coef", "cond_pos")
+                if s.condition is not None else ())
+            for name in names:
+                at, n = self._per_entry[name]
+                runs.append((at + i * n, at + (i + 1) * n))
+            set_words = np.flatnonzero(pos[i])
+            if len(set_words):
+                at, n = self._per_entry["pos"]
+                runs.append((at + i * n + set_words[0], at + i * n + set_words[-1] + 1))
+        return np.array(runs, np.int64)
 
     def _bitmap(self, rule, prompt_len: int, words: int):
         key = (rule, prompt_len)
@@ -99,7 +137,12 @@ class SteerFamily(FamilyBase):
         for key in self._keys.pop(req_id, []):
             self.bank.release(key)
         slot = self._slot_of.pop(req_id, None)
-        if slot is not None:  # inactive again (written with the next staged writes)
+        if slot is None:
+            return
+        runs = self._runs.pop(slot, None)
+        if runs is not None:  # the columns it set back to inactive: clean again
+            self.slots.release_runs(slot, self._fields, runs)
+        else:  # inactive again (written with the next staged writes)
             self.slots.reset(slot, self._fields, claim=False)
 
     def stats(self) -> dict:
