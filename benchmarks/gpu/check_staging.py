@@ -1,17 +1,16 @@
 """GPU check of the host rings (engine/slots.py HostRing): the slot block's staged rows
 and column runs, which the index copies read through their UVA view, and the staged
 router's layout, copied in one call from a ring buffer, reach the device as the host
-wrote them,
-also while the device runs behind the host by as many steps as the ring has buffers
-(a sleep kernel first: the engine's async scheduling, at its worst). The router routes
+wrote them, also while the device runs behind the host by as many steps as the ring has
+buffers (a sleep kernel first: the engine's async scheduling, at its worst). The router routes
 as the torch router does, also where one graph replays the tokens' and a family's rows,
 and where the graphs copy the layout and a runner's positions themselves and apply the
 slot block's staged writes before they route the rows that read them (check_slot_fold),
 and a small step's snapshot (host copies queued on the main stream) holds the step's
 rows whatever the next step writes; a large step's rows, which go home on a stream of
 their own after vLLM's copy event, are the step's when read right after that event.
-Runs on the CPU too (Triton's interpreter, no
-pinning), as tests/test_route_staged.py's CPU check of the same script.
+Runs on the CPU too (Triton's interpreter, no pinning), as tests/test_route_staged.py's
+CPU check of the same script.
 
     bash benchmarks/gpu/run_gpu.sh stagecheck   (after the bundle's install)
 
@@ -101,16 +100,36 @@ def check_slot_runs(rounds: int = 40, seed: int = 0) -> int:
     return bad
 
 
+def router_sizes(**kw) -> Sizes:
+    """Tables for the router checks: one capture entry, SLOTS requests, TOKENS tokens."""
+    return Sizes(**{**dict(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=2,
+                           hidden=64, steer_width=64, dtype=torch.float32, max_steers=1,
+                           max_vectors=2, max_captures=1, capture_rows=8, capture_width=64,
+                           pattern_rows=8, num_heads=2, patterns=False), **kw})
+
+
+def random_step(rng, slots: np.ndarray, runner: torch.Tensor) -> SimpleNamespace:
+    """A step of requests in `slots` (int32) with random prompt chunks, its positions
+    written into the runner's buffer in stream order, as vLLM's prepare_inputs does."""
+    reqs = len(slots)
+    qsl = np.concatenate([[0], np.cumsum(rng.integers(1, TOKENS // SLOTS, reqs))]
+                         ).astype(np.int32)
+    n = int(qsl[-1])
+    runner[:n].copy_(torch.from_numpy(rng.integers(0, 500, n)).to(DEV))
+    return SimpleNamespace(
+        req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=n,
+        num_tokens_after_padding=n, query_start_loc_np=qsl,
+        query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
+        idx_mapping=torch.from_numpy(slots).to(DEV), positions=runner[:n])
+
+
 def check_router(rounds: int = 40, seed: int = 0, graphs: bool = False) -> int:
     """Steps whose token routing differs from the torch router's, DEPTH steps a round.
     `graphs`: the router replays its graphs (CUDA graphs on a GPU), which copy the layout
     from the ring and the positions from a runner's buffer (written in stream order, as
     vLLM's prepare_inputs does), and tok_pos is compared too."""
     rng = np.random.default_rng(seed)
-    sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=2, hidden=64,
-                  steer_width=64, dtype=torch.float32, max_steers=1, max_vectors=2,
-                  max_captures=1, capture_rows=8, capture_width=64, pattern_rows=8,
-                  num_heads=2, patterns=False)
+    sizes = router_sizes()
     staged = TokenRouter(allocate(sizes, _triton(False), DEV).ops, staging_depth=DEPTH)
     ref = TokenRouter(allocate(sizes, TORCH, DEV).ops)
     assert staged.staged and not ref.staged
@@ -126,17 +145,10 @@ def check_router(rounds: int = 40, seed: int = 0, graphs: bool = False) -> int:
         lag()
         steps = []
         for _ in range(DEPTH):
-            reqs = int(rng.integers(1, SLOTS))
-            lengths = rng.integers(1, TOKENS // SLOTS, reqs)
-            qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            slots = rng.choice(SLOTS, reqs, replace=False).astype(np.int32)
-            n = int(qsl[-1])
-            runner[:n].copy_(torch.from_numpy(rng.integers(0, 500, n)).to(DEV))
-            b = SimpleNamespace(
-                req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=n,
-                num_tokens_after_padding=n, query_start_loc_np=qsl,
-                query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
-                idx_mapping=torch.from_numpy(slots).to(DEV), positions=runner[:n])
+            slots = rng.choice(SLOTS, int(rng.integers(1, SLOTS)),
+                               replace=False).astype(np.int32)
+            b = random_step(rng, slots, runner)
+            n = b.num_tokens
             staged.route(b)
             # the staged router's tables as this step left them (its next step rewrites)
             steps.append((b, staged.tok_slot[:n].clone(), staged.tok_row[:n].clone(),
@@ -157,13 +169,8 @@ def check_slot_fold(rounds: int = 40, seed: int = 0) -> int:
     (SlotBlock.apply(defer=True)) and routes its tokens and rows in one graph replay,
     which applies them first; the reference applies them at once and routes with the
     torch router. The row routing must read the step's new entries."""
-    from graphtap.ops.backend import _triton
-
     rng = np.random.default_rng(seed)
-    sizes = Sizes(max_reqs=SLOTS, max_tokens=TOKENS, max_len=512, num_sites=2, hidden=64,
-                  steer_width=64, dtype=torch.float32, max_steers=1, max_vectors=2,
-                  max_captures=2, capture_rows=TOKENS, capture_width=64, pattern_rows=8,
-                  num_heads=2, patterns=False, staging_depth=DEPTH)
+    sizes = router_sizes(max_captures=2, capture_rows=TOKENS, staging_depth=DEPTH)
     et, ref_et = allocate(sizes, _triton(False), DEV), allocate(sizes, TORCH, DEV)
     staged = TokenRouter(et.ops, staging_depth=DEPTH, slots=et.slots)
     ref = TokenRouter(ref_et.ops)
@@ -201,15 +208,8 @@ def check_slot_fold(rounds: int = 40, seed: int = 0) -> int:
                     block.host_view(fields.site)[slot, 0] = site
                     block.host_view(fields.pos)[slot, 0, word] = bits
             block.apply(defer=True)
-            lengths = rng.integers(1, TOKENS // SLOTS, reqs)
-            qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            n = int(qsl[-1])
-            runner[:n].copy_(torch.from_numpy(rng.integers(0, 500, n)).to(DEV))
-            b = SimpleNamespace(
-                req_ids=[f"r{s}" for s in slots], num_reqs=reqs, num_tokens=n,
-                num_tokens_after_padding=n, query_start_loc_np=qsl,
-                query_start_loc=torch.from_numpy(qsl).to(DEV), idx_mapping_np=slots,
-                idx_mapping=torch.from_numpy(slots).to(DEV), positions=runner[:n])
+            b = random_step(rng, slots, runner)
+            n = b.num_tokens
             staged.invalidate()
             staged.route(b, rows=et.ops.capture)
             staged.route_rows(et.ops.capture, b, 512)
