@@ -149,3 +149,23 @@ def test_writes_no_replay_took_are_the_flushs():
     assert et.slots._pending is not None
     et.slots.flush()
     assert np.array_equal(et.slots.gpu.numpy(), et.slots.host)
+
+
+def test_capturing_the_graphs_again_never_replays_old_writes():
+    """The capture runs each graph's body once to warm it, on whatever its ring buffer
+    holds: a header a real step left there must not write its (by now old) rows again
+    (adopt_positions captures again when the KV caches are bound anew)."""
+    et, router, runner = routed(graphs=True)
+    f = et.capture
+    admit(et, 2)
+    et.slots.apply(defer=True)
+    router.route(step([2], runner), rows=et.ops.capture)  # the replay applies them
+    et.slots.host_view(f.pos)[2, 0, 0] = 0b1  # then slot 2 changes, written at once
+    et.slots.stage(2)
+    et.slots.apply()
+    tables, max_len, _ = router._graph_args
+    # as cuda_graphs() captures: the body runs once first
+    router._graph_args = (tables, max_len,
+                          lambda body: (body(), SimpleNamespace(replay=body))[1])
+    router._capture(runner)
+    assert np.array_equal(et.slots.gpu.numpy(), et.slots.host)
