@@ -196,13 +196,15 @@ def test_admission_step(benchmark, mode):
     assert manager.stats()["steer"]["requests"] == (32 if mode == "steer" else 0)
 
 
+@pytest.mark.parametrize("mode", ["hs", "steer"])
 @pytest.mark.parametrize("max_len", [2048, 32768, 131072])
-def test_admission_step_long_context(benchmark, max_len):
-    """test_admission_step's hs admission at longer max_model_len: a slot's row holds
-    every entry's position bitmap (max_len / 32 words each), so a request whose staged
-    write copied its whole row (to the pinned staging ring on the host, then through UVA
-    to the device) cost more the longer max_model_len, though an hs request's bitmaps
-    hold one set bit each; its sites and set words alone (SlotBlock.stage_runs) do not."""
-    manager = admission(benchmark, "hs", max_len, rounds=20)
+def test_admission_step_long_context(benchmark, max_len, mode):
+    """test_admission_step's hs and steer admissions at longer max_model_len: a slot's
+    row holds every entry's position bitmap (max_len / 32 words each), so a request
+    whose staged write copied its whole row (to the pinned staging ring on the host,
+    then through UVA to the device) cost more the longer max_model_len, though an hs
+    request's bitmaps hold one set bit each and a steering request sets one entry; the
+    columns they set alone (SlotBlock.stage_runs) do not."""
+    manager = admission(benchmark, mode, max_len, rounds=20)
     benchmark.extra_info["slot_row_bytes"] = manager.slots.host.shape[1] * 4
-    assert manager.stats()["capture"]["requests"] == 32
+    assert manager.stats()["capture" if mode == "hs" else "steer"]["requests"] == 32
