@@ -5,7 +5,9 @@ to_cpu there is one of every request's TTFT. For hs (3 residual rows of one requ
 and qk (q at the last prompt token, k at every prompt token, 4 layers x 4 heads, Llama-3-8B
 widths) at one request of 256 tokens: the whole step (plan, routing, snapshot, copies
 queued) and each call in it, timed "cold" (one call after the host did other work for a
-while, as a burst's first step comes after a quiet engine) and "warm" (a tight loop).
+while, as a burst's first step comes after a quiet engine) and "warm" (a tight loop);
+and the step that admits the request (admit_step_fold: its staged slot writes applied by
+the routing's replay, against admit_step_copy: by their own index copy first).
 Needs torch, Triton and, on a GPU, vLLM (the UVA view the routing graphs read the layout
 through):
 

@@ -7,10 +7,13 @@ changed rows in one go: one index copy, whatever the number of requests or field
 copies per request before), reading the rows and their indices from pinned host buffers
 the device maps (UVA), as vLLM's own staged writes beside it do: no pinned allocation and
 no host-to-device copy call per step (each ~20 us of the engine core's host on the H200).
-A row family's requests stage only the columns they set (stage_runs: sites and the
-position bitmaps' words that hold set bits), in a second index copy over the flattened
-block: a row holds every entry's bitmap of max_model_len / 32 words, hundreds of KiB at
-a long max_model_len (benchmarks/cpu: test_admission_step_long_context).
+Where the router replays its routing graphs, the replay applies them instead (apply(
+defer=True), ops/stage_triton.py): one device call fewer before the step's forward.
+A long max_model_len's requests (row families' captures, steering) stage only the
+columns they set (stage_runs: sites, fields and the position bitmaps' words that hold
+set bits), in a second index copy over the flattened block: a row holds every entry's
+bitmap of max_model_len / 32 words, hundreds of KiB there (benchmarks/cpu:
+test_admission_step_long_context).
 """
 from __future__ import annotations
 
