@@ -64,7 +64,7 @@ def test_a_vector_name_resolves_again_after_the_registry_changed():
 
 def test_specs_that_are_not_plain_data_are_normalised_each_time_and_the_cache_is_bounded():
     fe = GraphtapFrontend(SHAPE)
-    process(fe, steer(vector=np.ones(8, np.float32)))
+    process(fe, steer(scale=np.float32(2.0)))  # a numpy scalar: not plain
     process(fe, steer(scale=-2 ** 63 - 1))  # past what msgpack writes (test_fuzz_spec)
     assert not fe._specs
     wide = GraphtapFrontend(SHAPE.model_copy(update={"hidden_size": 8192}))
@@ -243,3 +243,26 @@ def test_wire_specs_decode_each_spec_once_and_read_what_from_wire_reads():
     specs(process(fe, {"capture": [{"site": "blocks.1.hook_resid_post",
                                     "positions": [0, 1]}]})[0])
     assert len(specs._known) == 2 and specs(hs) is not first  # the oldest went
+
+
+def test_numpy_vectors_are_remembered_by_dtype_shape_and_bytes():
+    """An in-process caller's numpy vector keys the cache by its dtype, shape and bytes:
+    the same vector again is one entry and the same request; another value, dtype or
+    shape, or the same values as a list, is an entry of its own; a vector validation
+    refuses (NaN) is refused whatever came before; object arrays are never keyed."""
+    fe = GraphtapFrontend(SHAPE)
+    v = np.linspace(-1, 1, 8, dtype=np.float32)
+    first = process(fe, steer(vector=v))
+    assert len(fe._specs) == 1 and process(fe, steer(vector=v.copy())) == first
+    for other in (v * 2, v.astype(np.float64), v.reshape(1, 8), v.tolist()):
+        try:
+            process(fe, steer(vector=other))
+        except ValueError:  # a shape the field refuses: not remembered either
+            pass
+    keys = list(fe._specs)
+    assert len(keys) == len(set(keys)) >= 4
+    bad = v.copy()
+    bad[3] = np.nan
+    with pytest.raises(ValueError, match="vector"):
+        process(fe, steer(vector=bad))
+    assert not _plain(steer(vector=np.array([1.0] * 8, dtype=object)))

@@ -81,7 +81,8 @@ WIDE = ModelShape(num_layers=32, hidden_size=4096, max_model_len=512,
 
 def bench_hooks(spec: str):
     """The hooks of a benchmark's spec: plain (none), hs, qk, or steering with a
-    4096-float vector as a JSON list (steer-list) or packed (steer-b64)."""
+    4096-float vector as a JSON list (steer-list), packed (steer-b64) or a numpy array
+    (steer-numpy: an in-process caller's, bench_tpot's)."""
     import base64
 
     import numpy as np
@@ -89,18 +90,19 @@ def bench_hooks(spec: str):
     if spec in ("plain", "hs", "qk"):
         return {"plain": None, "hs": HS, "qk": QK}[spec]
     vec = np.random.default_rng(0).normal(size=4096).astype("<f4")
-    vector = vec.tolist() if spec == "steer-list" else \
+    vector = vec.tolist() if spec == "steer-list" else vec if spec == "steer-numpy" else \
         {"b64": base64.b64encode(vec).decode()}
     return {"steer": [{"site": SITES[1], "op": "add", "vector": vector, "positions": "all"}]}
 
 
-@pytest.mark.parametrize("spec", ["hs", "qk", "steer-list", "steer-b64"])
+@pytest.mark.parametrize("spec", ["hs", "qk", "steer-list", "steer-b64", "steer-numpy"])
 def test_remembered_spec(benchmark, spec):
     """One request's frontend admission once its spec is remembered (a deployment's
     guard or steering spec, the same in every request): SamplingParams.clone, then
     process_request, which keys the cache by the spec's text after checking that it is
-    made of JSON's types only. steer-list: bench_tpot's 4096-float vector as a JSON list
-    (that check walks every float), steer-b64: the same vector packed."""
+    made of JSON's types only (or numpy arrays, keyed by their bytes). steer-list: a
+    4096-float vector as a JSON list (that check walks every float), steer-b64: the same
+    vector packed, steer-numpy: as a numpy array (bench_tpot's)."""
     frontend = GraphtapFrontend(WIDE)
     params = SamplingParams(max_tokens=8, hooks=bench_hooks(spec))
 
