@@ -167,10 +167,10 @@ class GraphtapFrontend(HookFrontend):
         msgpack bytes of a spec of JSON types only (they tell apart what validation
         does: 1 from 1.0 and True, NaN from null; a spec holding a tuple or bytes, which
         msgpack would write as a list or bytes, is normalised each time; a numpy array
-        of numbers is keyed by its dtype, shape and bytes: an in-process caller's
-        steering vector, normalised again it cost a request 101 us of the dev CPU against
-        43 remembered), and by the vector registry's generation (names may resolve
-        differently)."""
+        of numbers is keyed by its dtype, shape and bytes: an in-process caller's steering
+        vector, whose normalisation was most of its request's admission,
+        benchmarks/cpu: test_remembered_spec[steer-numpy]), and by the vector registry's
+        generation (names may resolve differently)."""
         try:
             text = _KEY.encode(raw) if _plain(raw) else b""
         except OverflowError:  # an int past 64 bits: validation says what is wrong

@@ -225,7 +225,7 @@ class TokenRouter:
         layout[0] = num_reqs
         layout[1:num_reqs + 2] = input_batch.query_start_loc_np[:num_reqs + 1]
         layout[slots + 2:slots + 2 + num_reqs] = input_batch.idx_mapping_np[:num_reqs]
-        layout[2 * slots + 2:] = self._slots.take_pending() \
+        layout[-HEADER:] = self._slots.take_pending() \
             if slot_writes and self._slots is not None else (0, 0, 0, 0)
         return i
 

@@ -170,10 +170,10 @@ class Staging:
                                 depth)
 
     def stage(self, rows: np.ndarray, host: np.ndarray) -> tuple[int, int]:
-        """The rows' indices and their host values, in the rings' next buffers (taken
-        together: one buffer index for both); (that index, how many rows)."""
+        """The rows' indices and their host values, in the rings' next buffers (the index
+        ring's turn names both: the values ring's own is never taken); (that index, how
+        many rows)."""
         i = self._index.take_index()
-        self._values.take_index()
         k = len(rows)
         self._index.numpy(i)[:k] = rows
         np.take(host, rows, axis=0, out=self._values.numpy(i)[:k])

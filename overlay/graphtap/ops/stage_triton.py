@@ -20,7 +20,7 @@ BLOCK = 1024
 
 @triton.jit
 def _staged_rows_kernel(block_ptr, hdr_ptr, index_ptr, values_ptr, width, capacity,
-                 BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr):
     r = tl.program_id(0)
     if r >= tl.load(hdr_ptr + 1):
         return
@@ -35,7 +35,7 @@ def _staged_rows_kernel(block_ptr, hdr_ptr, index_ptr, values_ptr, width, capaci
 
 @triton.jit
 def _staged_elements_kernel(flat_ptr, hdr_ptr, index_ptr, values_ptr, capacity,
-                     BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < tl.load(hdr_ptr + 3)
     base = tl.load(hdr_ptr + 2).to(tl.int64) * capacity

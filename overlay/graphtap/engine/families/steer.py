@@ -5,6 +5,8 @@ decoding need nothing here. A conditional steer's gate is decided by the op itse
 the condition's site; here it is only cleared, with the rest of a refilled slot."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from graphtap.courier import RequestErrors
@@ -40,11 +42,11 @@ class SteerFamily(FamilyBase):
         # slot -> the columns its request set, where they were staged alone (a long
         # max_model_len's rows: stage_runs), to be put back at its removal
         self._runs: dict[int, np.ndarray] = {}
-        # per field, its columns per entry (entries side by side in a field's columns)
-        self._per_entry = {name: (f.offset, f.size // f.shape[0])
-                           for name, f in ((n, getattr(self.fields, n)) for n in (
-                               "site", "vec", "coef", "pos", "cond_site", "cond_vec",
-                               "cond_mode", "cond_coef", "cond_pos", "gate"))}
+        # per field, where its columns start and how many an entry has (entries side by
+        # side in a field's columns)
+        self._per_entry = {d.name: (f.offset, f.size // f.shape[0])
+                           for d in dataclasses.fields(self.fields)
+                           for f in (getattr(self.fields, d.name),)}
         # the fields' host views, made once (the host block never moves): four views a
         # request were a third of a steering request's admission here
         self._host = {name: self.slots.host_view(getattr(self.fields, name))
